@@ -1,0 +1,34 @@
+"""sacpass version and the torch versions it supports."""
+from __future__ import annotations
+
+import warnings
+
+__version__ = "0.1.0"
+PASS_VERSION = 1  # bump when the pass or the partitioner changes what is saved: it enters cache keys
+MIN_TORCH = (2, 11)
+MAX_TESTED_TORCH = (2, 14)
+
+
+def _parse(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch_version(version: str | None = None) -> tuple[int, int]:
+    """Refuse torch older than 2.11; warn on one newer than the newest tested release."""
+    from .errors import SacpassWarning, UnsupportedTorchVersion
+
+    if version is None:
+        import torch
+        version = torch.__version__
+    parsed = _parse(version)
+    if parsed < MIN_TORCH:
+        raise UnsupportedTorchVersion(
+            f"sacpass: torch {version} is too old; sacpass needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} "
+            f"(CustomPartitionerFn and the SAC tags it relies on). Upgrade with `pip install 'torch>=2.11'`.")
+    if parsed > MAX_TESTED_TORCH:
+        warnings.warn(
+            f"sacpass: torch {version} is newer than the newest tested version "
+            f"{MAX_TESTED_TORCH[0]}.{MAX_TESTED_TORCH[1]}; the partitioner may have changed. "
+            f"Run the sacpass test suite on it before relying on the saved set.", SacpassWarning, stacklevel=3)
+    return parsed
