@@ -15,11 +15,14 @@ from .selectors import (  # noqa: E402
     ModuleOpSelector, OpSelector, PredicateSelector, as_selector, module_path_of, node_op,
 )
 from .policies import Policy, clear_registry, register_must_save, registered_must_save  # noqa: E402
+from .report import Report, SavedTensor, format_report, print_report  # noqa: E402
+from .backend import Backend, backend, named_backend  # noqa: E402
 
 __all__ = [
     "__version__", "SacpassError", "SacpassWarning", "SelectorError", "UnknownOpError",
     "UnmatchedSelectorError", "PolicyConflictError", "MustSaveViolation", "BackendOptionError",
     "DumpError", "UnsupportedTorchVersion", "OpSelector", "ModuleOpSelector", "PredicateSelector",
     "as_selector", "node_op", "module_path_of", "Policy", "register_must_save", "registered_must_save",
-    "clear_registry",
+    "clear_registry", "Report", "SavedTensor", "format_report", "print_report", "Backend", "backend",
+    "named_backend",
 ]

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="sacpass",
+    version="0.1.0",
+    description="Selective activation checkpointing under torch.compile, decided in the AOTAutograd joint graph",
+    packages=find_packages(include=["sacpass", "sacpass.*", "glm52_model", "glm52_model.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11,<2.15"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "expecttest==0.3.0"],
+        "tilelang": ["tilelang==0.1.15"],
+    },
+    entry_points={
+        "torch_dynamo_backends": ["sacpass = sacpass.backend:sacpass_backend"],
+        "console_scripts": ["sacpass = sacpass.__main__:main"],
+    },
+)

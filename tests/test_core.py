@@ -1,0 +1,228 @@
+"""sacpass core, end to end on the toy DSA layer: the top-k is not re-run in backward, grads match eager."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import sacpass
+from toy import ATEN_TOPK_CALLS, TOY_TOPK_CALLS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, grads_of
+
+TOPK = "sacpass_toy::topk_ids"
+
+
+def run_step(model, x):
+    """Forward + backward; returns (out, grads, top-k runs in forward, top-k runs in backward)."""
+    x = x.detach().clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    n0 = TOY_TOPK_CALLS.count
+    out = model(x)
+    n1 = TOY_TOPK_CALLS.count
+    out.square().sum().backward()
+    n2 = TOY_TOPK_CALLS.count
+    return out.detach(), grads_of(model, x), n1 - n0, n2 - n1
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_toy_layer_topk_not_rerun_in_backward(inner):
+    ref = ToyLayer()
+    x = torch.randn(24, 32)
+    out_e, grads_e, _, bw_e = run_step(ref, x)
+    assert bw_e == 1  # eager checkpoint re-runs the top-k
+
+    control = torch.compile(copy.deepcopy(ref), backend=sacpass.backend(inner=inner, use_registered=False),
+                            fullgraph=True)
+    _, grads_c, fw_c, bw_c = run_step(control, x)
+    assert (fw_c, bw_c) == (1, 1), "without a policy the compiled checkpoint replays the top-k"
+
+    torch._dynamo.reset()
+    be = sacpass.backend(save=[TOPK], inner=inner, use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    out_s, grads_s, fw_s, bw_s = run_step(model, x)
+    assert (fw_s, bw_s) == (1, 0)
+    torch.testing.assert_close(out_s, out_e, rtol=1e-5, atol=1e-5)
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+    assert_close_lists(grads_c, grads_e, rtol=1e-4, atol=1e-5)
+
+    (report,) = be.reports
+    rows = [s for s in report.saved if s.reason == "must-save"]
+    assert [(r.op, r.dtype, r.shape, r.module) for r in rows] == [
+        ("sacpass_toy::topk_ids.default", "int32", ("24", "4"), "indexer")]
+    assert rows[0].bytes == 24 * 4 * 4 and rows[0].source.startswith("toy.py:")
+    assert TOPK + ".default" not in report.recomputed
+    assert report.total_bytes == sum(s.bytes for s in report.saved)
+    assert not report.violations
+
+
+def test_named_backend_with_options():
+    ref = ToyLayer()
+    x = torch.randn(16, 32)
+    _, grads_e, _, _ = run_step(ref, x)
+    model = torch.compile(copy.deepcopy(ref), backend="sacpass", fullgraph=True,
+                          options={"save": [TOPK], "inner": "aot_eager", "use_registered": False})
+    _, grads_s, _, bw = run_step(model, x)
+    assert bw == 0
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+    be = sacpass.named_backend({"save": [TOPK], "inner": "aot_eager", "use_registered": False})
+    assert be.reports and be.reports[-1].saved_ops().count(TOPK + ".default") == 1
+
+
+def test_named_backend_rejects_unknown_option():
+    model = torch.compile(ToyLayer(), backend="sacpass", options={"sav": [TOPK]})
+    with pytest.raises(Exception) as info:
+        model(torch.randn(8, 32))
+    assert "unknown backend option" in str(info.value) and "save" in str(info.value)
+
+
+@pytest.mark.parametrize("selector", ["indexer::aten::topk", "ToyIndexer::aten.topk", "ind*::aten::topk.default"])
+def test_plain_aten_topk_by_module(selector):
+    ref = ToyLayer(use_aten_topk=True)
+    x = torch.randn(16, 32)
+    _, grads_e, _, _ = run_step(ref, x)
+    be = sacpass.backend(save=[selector], inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    xx = x.clone().requires_grad_(True)
+    out = model(xx)
+    with OpCounter(torch.ops.aten.topk) as counter:
+        out.square().sum().backward()
+    assert counter.count == 0
+    assert_close_lists(grads_of(model, xx), grads_e, rtol=1e-4, atol=1e-5)
+    saved = [s for s in be.reports[0].saved if s.reason == "must-save"]
+    # the int64 ids are what the forward produced; a module-scoped selector saved exactly them
+    assert [s.op for s in saved] == ["aten::topk.default"] and saved[0].dtype == "int64"
+
+    torch._dynamo.reset()  # control: the same module without a policy replays aten.topk
+    model = torch.compile(copy.deepcopy(ref), backend=sacpass.backend(inner="aot_eager", use_registered=False))
+    out = model(x.clone().requires_grad_(True))
+    with OpCounter(torch.ops.aten.topk) as counter:
+        out.square().sum().backward()
+    assert counter.count == 1
+
+
+def test_module_selector_does_not_match_other_modules():
+    be = sacpass.backend(save=["mlp::aten::topk"], inner="aot_eager", use_registered=False)
+    model = torch.compile(ToyLayer(use_aten_topk=True), backend=be, fullgraph=True)
+    with pytest.raises(Exception) as info:
+        model(torch.randn(8, 32, requires_grad=True))
+    assert isinstance(info.value.__cause__ or info.value, sacpass.UnmatchedSelectorError) or \
+        "matched no forward node" in str(info.value)
+
+
+def test_back_to_back_regions():
+    ref = TwoRegions()
+    x = torch.randn(16, 32)
+    _, grads_e, _, bw_e = run_step(ref, x)
+    assert bw_e == 2
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    _, grads_s, fw, bw = run_step(model, x)
+    assert (fw, bw) == (2, 0)
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+    assert sum(s.reason == "must-save" for s in be.reports[0].saved) == 2
+
+
+def test_nested_checkpoint():
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = ToyLayer()
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(lambda t: self.proj(self.inner(t)), x, use_reentrant=False)
+
+    ref = Nested()
+    x = torch.randn(16, 32)
+    _, grads_e, _, _ = run_step(ref, x)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    _, grads_s, fw, bw = run_step(model, x)
+    assert (fw, bw) == (1, 0)
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+
+
+def test_no_checkpoint_at_all():
+    ref = ToyLayer(checkpointed=False)
+    x = torch.randn(16, 32)
+    _, grads_e, _, bw_e = run_step(ref, x)
+    assert bw_e == 0
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    _, grads_s, fw, bw = run_step(model, x)
+    assert (fw, bw) == (1, 0)
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+    report = be.reports[0]
+    # the int32 ids are saved, not their int64 widening: the cast chain is recomputed in backward
+    assert [s.dtype for s in report.saved if s.reason == "must-save"] == ["int32"]
+    assert not any(s.dtype == "int64" for s in report.saved)
+    assert report.recomputed.get("aten::_to_copy.default") == 1
+
+
+def test_dynamic_sequence_length_no_recompile():
+    ref = ToyLayer()
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True, dynamic=True)
+    for s in (16, 24, 40):
+        x = torch.randn(s, 32)
+        _, grads_e, _, _ = run_step(ref, x)
+        _, grads_s, fw, bw = run_step(model, x)
+        assert (fw, bw) == (1, 0)
+        assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+    assert len(be.reports) == 1, "one compile serves every length"
+    (row,) = [s for s in be.reports[0].saved if s.reason == "must-save"]
+    assert not row.shape[0].isdigit(), row.shape  # symbolic
+    assert row.bytes == 16 * 4 * 4  # evaluated at the hint of the first length
+
+
+def test_multi_output_op_tags_op_and_getitems():
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            def body(x):
+                h = self.w(x)
+                vals, ids = torch.ops.sacpass_toy.topk_pair(h, 4)
+                return (vals.softmax(-1).unsqueeze(-1) * h[:, :4].unsqueeze(1)).sum(1).sum(-1, keepdim=True) * h \
+                    + ids.float().mean()
+            return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+
+    ref = Pair()
+    x = torch.randn(12, 32)
+    _, grads_e, _, _ = run_step(ref, x)
+    be = sacpass.backend(save=["sacpass_toy::topk_pair"], inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    _, grads_s, fw, bw = run_step(model, x)
+    assert (fw, bw) == (1, 0)
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+    tagged = {t["name"] for t in be.reports[0].tagged if t["tag"] == "MUST_SAVE"}
+    assert len(tagged) == 3  # the op and both getitems
+
+
+def test_recompute_selector_forces_recompute():
+    ref = ToyLayer(checkpointed=False)
+    x = torch.randn(16, 32)
+    be0 = sacpass.backend(inner="aot_eager", use_registered=False)
+    torch.compile(copy.deepcopy(ref), backend=be0)(x.requires_grad_(True)).sum().backward()
+    assert "aten::gelu.default" not in be0.reports[0].recomputed
+    torch._dynamo.reset()
+    be = sacpass.backend(recompute=["aten::gelu"], inner="aot_eager", use_registered=False)
+    _, grads_e, _, _ = run_step(ref, x)
+    model = torch.compile(copy.deepcopy(ref), backend=be)
+    _, grads_s, _, _ = run_step(model, x)
+    assert be.reports[0].recomputed.get("aten::gelu.default") == 1
+    assert any(t["tag"] == "MUST_RECOMPUTE" for t in be.reports[0].tagged)
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+
+
+def test_registered_policy_is_the_default():
+    sel = sacpass.register_must_save(TOPK)
+    try:
+        be = sacpass.backend(inner="aot_eager")
+        assert sel in be.policy.registered
+        model = torch.compile(ToyLayer(), backend=be, fullgraph=True)
+        _, _, fw, bw = run_step(model, torch.randn(16, 32))
+        assert bw == 0
+    finally:
+        sacpass.policies._REGISTRY.remove(sel)

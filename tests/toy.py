@@ -1,0 +1,156 @@
+"""A toy DSA-shaped layer for sacpass tests: indexer projections under no_grad -> a top-k custom op ->
+gather-based sparse attention, checkpointed. Its top-k kernel counts its runs."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def reset(self):
+        self.count = 0
+
+
+TOY_TOPK_CALLS = Counter()
+ATEN_TOPK_CALLS = Counter()
+
+
+@torch.library.custom_op("sacpass_toy::topk_ids", mutates_args=())
+def toy_topk_ids(q: torch.Tensor, k: torch.Tensor, topk: int) -> torch.Tensor:
+    """Causal top-k key ids per query, int32, -1 where fewer than topk keys are visible."""
+    TOY_TOPK_CALLS.count += 1
+    s = q.shape[0]
+    scores = (q.float() @ k.float().T).relu()
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    vals, ids = scores.topk(min(topk, s), dim=-1)
+    ids = ids.masked_fill(vals == float("-inf"), -1).to(torch.int32)
+    if topk > s:
+        ids = F.pad(ids, (0, topk - s), value=-1)
+    return ids.contiguous()
+
+
+@toy_topk_ids.register_fake
+def _(q, k, topk):
+    return q.new_empty((q.shape[0], topk), dtype=torch.int32)
+
+
+@torch.library.custom_op("sacpass_toy::topk_pair", mutates_args=())
+def toy_topk_pair(x: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A multi-output op: (values, int32 ids)."""
+    TOY_TOPK_CALLS.count += 1
+    v, i = x.topk(topk, dim=-1)
+    return v, i.to(torch.int32)
+
+
+@toy_topk_pair.register_fake
+def _(x, topk):
+    shape = (*x.shape[:-1], topk)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int32)
+
+
+def _pair_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.shape = inputs[0].shape
+
+
+def _pair_backward(ctx, grad_vals, grad_ids):
+    (ids,) = ctx.saved_tensors
+    return grad_vals.new_zeros(ctx.shape).scatter(-1, ids.long(), grad_vals), None
+
+
+toy_topk_pair.register_autograd(_pair_backward, setup_context=_pair_setup)
+
+
+def sparse_attend(q, kv, ids):
+    """q [S, D], kv [S, D], ids [S, K] (int, -1 masked) -> [S, D]."""
+    valid = ids >= 0
+    gathered = kv[ids.clamp(min=0).long()]  # [S, K, D]
+    scores = torch.einsum("sd,skd->sk", q, gathered) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~valid, float("-inf"))
+    return torch.einsum("sk,skd->sd", scores.softmax(-1), gathered)
+
+
+class ToyIndexer(nn.Module):
+    def __init__(self, dim, idx_dim, topk, use_aten_topk=False):
+        super().__init__()
+        self.wq, self.wk = nn.Linear(dim, idx_dim, bias=False), nn.Linear(dim, idx_dim, bias=False)
+        self.topk, self.use_aten_topk = topk, use_aten_topk
+
+    def forward(self, x):
+        with torch.no_grad():
+            q, k = self.wq(x), self.wk(x)
+            if self.use_aten_topk:
+                s = x.shape[0]
+                scores = (q @ k.T).relu()
+                mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+                scores = scores.masked_fill(~mask, float("-inf"))
+                ids = torch.topk(scores, self.topk, dim=-1).indices
+                return ids
+            return torch.ops.sacpass_toy.topk_ids(q, k, self.topk)
+
+
+class ToyLayer(nn.Module):
+    """x -> x + sparse_attention(x) ; x -> x + mlp(x), the whole body in checkpoint(use_reentrant=False)."""
+
+    def __init__(self, dim=32, idx_dim=16, topk=4, checkpointed=True, use_aten_topk=False):
+        super().__init__()
+        self.indexer = ToyIndexer(dim, idx_dim, topk, use_aten_topk)
+        self.wq, self.wkv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.checkpointed = checkpointed
+
+    def body(self, x):
+        ids = self.indexer(x)
+        h = x + self.wo(sparse_attend(self.wq(x), self.wkv(x), ids))
+        return h + self.mlp(h)
+
+    def forward(self, x):
+        if self.checkpointed:
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+
+class TwoRegions(nn.Module):
+    """Two back-to-back checkpointed toy layers."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.a, self.b = ToyLayer(**kw), ToyLayer(**kw)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+# --------------------------------------------------------------------------- test helpers
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts calls of the given op packets at run time (eager and aot_eager graphs)."""
+
+    def __init__(self, *packets):
+        super().__init__()
+        self.packets = packets
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.packets:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def grads_of(module: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in module.parameters() if p.grad is not None] + \
+        [x.grad.detach().clone() for x in inputs if x.grad is not None]
+
+
+def assert_close_lists(a, b, **tol):
+    assert len(a) == len(b), (len(a), len(b))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, **tol)
