@@ -5,6 +5,7 @@ A thin layer over ``min_cut_rematerialization_partition``: sacpass only adds tag
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -81,6 +82,8 @@ class SacpassPartitioner(CustomPartitionerFn):
                  next_graph_id: Callable[[], str], sink: Callable[[PartitionResult], None]):
         self.policy, self.strict, self._uuid = policy, strict, uuid
         self._next_graph_id, self._sink = next_graph_id, sink
+        if uuid is not None:
+            _LIVE[uuid] = self
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         return partition(gm, joint_inputs, policy=self.policy, strict=self.strict,
@@ -91,3 +94,21 @@ class SacpassPartitioner(CustomPartitionerFn):
 
     def __deepcopy__(self, memo):  # inductor deep-copies its config; this object is shared on purpose
         return self
+
+    def __reduce__(self):
+        # Inductor pickles its config into the FX-graph cache key; only the uuid identifies this object.
+        # Without a uuid (an uncacheable predicate) pickling fails, which makes the caches bypass.
+        if self._uuid is None:
+            raise TypeError("sacpass partitioner without a cache key (uncacheable predicate selector)")
+        return (_partitioner_for_uuid, (self._uuid,))
+
+
+_LIVE: "weakref.WeakValueDictionary[str, SacpassPartitioner]" = weakref.WeakValueDictionary()
+
+
+def _partitioner_for_uuid(uuid: str) -> SacpassPartitioner:
+    try:
+        return _LIVE[uuid]
+    except KeyError:
+        raise SacpassError(f"sacpass: no live partitioner with cache key {uuid}; build the backend in this "
+                           f"process before loading compiled artifacts that reference it.") from None

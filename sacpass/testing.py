@@ -1,0 +1,136 @@
+"""Golden graph tests for users: pin what a compiled layer saves and recomputes, fail when it moves.
+
+::
+
+    be = sacpass.backend(save=[...], inner="aot_eager")
+    torch.compile(layer, backend=be, fullgraph=True)(x).sum().backward()
+    sacpass.testing.assert_graphs_match("my_layer", be)
+
+File-based, in the spirit of ``expecttest``: the expected text lives in ``expected_graphs/<name>.txt`` next to
+the calling test file (or in ``directory=``). ``EXPECTTEST_ACCEPT=1 pytest ...`` writes or rewrites it; a
+mismatch fails with a unified diff. Each file records the torch version it was made with; under another
+torch version the test is skipped (the partitioner and node naming change between releases).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import re
+
+import torch
+
+from .graphs import graph_text, report_text
+from .report import Report
+
+__all__ = ["assert_graphs_match", "golden_text", "expected_path", "ACCEPT_ENV"]
+
+ACCEPT_ENV = "EXPECTTEST_ACCEPT"
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_HEADER = "# sacpass golden graphs: {name}"
+_VERSION = "# torch {version}"
+_HOWTO = "# regenerate: EXPECTTEST_ACCEPT=1 pytest <this test>"
+
+
+def golden_text(obj) -> str:
+    """The normalised text of a Backend (every graph it compiled), a PartitionResult or a Report."""
+    from .backend import Backend
+    from .partitioner import PartitionResult
+
+    if isinstance(obj, PartitionResult):
+        return graph_text(obj)
+    if isinstance(obj, Report):
+        return report_text(obj)
+    if isinstance(obj, Backend):
+        if not obj.reports:
+            raise ValueError("sacpass.testing: the backend has compiled nothing yet; run the compiled model "
+                             "forward and backward before comparing its graphs.")
+        by_graph = {r.report.graph: r for r in obj.results}
+        region_ids: dict = {}  # one renumbering of checkpoint regions over the whole backend
+        parts = []
+        for report in obj.reports:
+            result = by_graph.get(report.graph)
+            if result is not None and result.report is report:
+                parts.append(graph_text(result, region_ids=region_ids))
+            else:  # rebuilt from the compile cache: the graphs themselves were never seen in this process
+                parts.append(report_text(report) + "# (graphs not available: compile-cache hit; disable the "
+                                                   "FX-graph/AOTAutograd caches for golden tests)\n")
+        return "\n".join(parts)
+    raise TypeError(f"sacpass.testing: cannot compare {type(obj).__name__!r}; pass a sacpass Backend, a "
+                    f"PartitionResult (backend.results[i]) or a Report (backend.reports[i]).")
+
+
+def _caller_dir() -> str:
+    """Folder of the first caller outside sacpass (the user's test file)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for frame in inspect.stack()[1:]:
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(here + os.sep):
+            return os.path.dirname(path)
+    return os.getcwd()  # pragma: no cover
+
+
+def expected_path(name: str, directory: str | os.PathLike | None = None) -> str:
+    """Where the golden file ``name`` lives: ``directory/<name>.txt``, by default ``expected_graphs/`` beside
+    the calling test file."""
+    if not _NAME.match(name):
+        raise ValueError(f"sacpass.testing: golden name {name!r} may only use letters, digits, '_', '-', '.'; "
+                         f"it becomes a file name.")
+    folder = os.fspath(directory) if directory is not None else os.path.join(_caller_dir(), "expected_graphs")
+    return os.path.join(folder, f"{name}.txt")
+
+
+def _base_version(version: str) -> str:
+    return version.split("+")[0]
+
+
+def _skip(msg: str):
+    try:
+        import pytest
+    except ImportError:  # plain unittest
+        import unittest
+        raise unittest.SkipTest(msg) from None
+    pytest.skip(msg)
+
+
+def _compose(name: str, body: str) -> str:
+    return "\n".join([_HEADER.format(name=name), _VERSION.format(version=torch.__version__), _HOWTO, body])
+
+
+def _split(text: str) -> tuple[str | None, str]:
+    """(torch version, body) of a golden file; version None when the header is missing."""
+    lines = text.split("\n")
+    if len(lines) < 3 or not lines[0].startswith("# sacpass golden graphs:") or not lines[1].startswith("# torch "):
+        return None, text
+    body_start = 3 if lines[2].startswith("# regenerate:") else 2
+    return lines[1][len("# torch "):].strip(), "\n".join(lines[body_start:])
+
+
+def assert_graphs_match(name: str, obj, *, directory: str | os.PathLike | None = None) -> None:
+    """Compare the normalised graphs of ``obj`` (a Backend, PartitionResult or Report) with the golden file
+    ``name``. ``EXPECTTEST_ACCEPT=1`` writes the file instead; a mismatch raises AssertionError with a
+    unified diff; a file made under another torch version skips the test."""
+    path = expected_path(name, directory)
+    actual = golden_text(obj)
+    accept = os.environ.get(ACCEPT_ENV, "") not in ("", "0")
+    if accept:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write(_compose(name, actual))
+        return
+    if not os.path.exists(path):
+        raise AssertionError(f"sacpass: no golden file {path}; run the test with {ACCEPT_ENV}=1 to write it, "
+                             f"then review and commit it.")
+    with open(path) as f:
+        version, expected = _split(f.read())
+    if version is None:
+        raise AssertionError(f"sacpass: {path} has no sacpass golden header; rewrite it with {ACCEPT_ENV}=1.")
+    if _base_version(version) != _base_version(torch.__version__):
+        _skip(f"sacpass golden {name!r} was made with torch {version}; this is torch {torch.__version__}. "
+              f"Run with {ACCEPT_ENV}=1 to regenerate it for this version.")
+    if expected == actual:
+        return
+    diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
+                                        fromfile=f"{path} (expected)", tofile=f"{name} (actual)"))
+    raise AssertionError(f"sacpass: compiled graphs differ from golden {path}. If the change is intended, "
+                         f"rerun with {ACCEPT_ENV}=1 and review the new file.\n{diff}")

@@ -1,0 +1,41 @@
+"""Policy and pass version enter the compile caches; a warm cache hit still yields the report."""
+import torch
+
+import sacpass
+from toy import TOY_TOPK_CALLS, ToyLayer
+
+TOPK = "sacpass_toy::topk_ids"
+
+
+def compile_and_step(model, x, save):
+    torch._dynamo.reset()
+    be = sacpass.backend(save=save, use_registered=False)  # inner="inductor": the caches under test
+    out = torch.compile(model, backend=be, fullgraph=True)(x.clone().requires_grad_(True))
+    n = TOY_TOPK_CALLS.count
+    out.sum().backward()
+    return be, TOY_TOPK_CALLS.count - n
+
+
+def must_saved(report):
+    return [s.op for s in report.saved if s.reason == "must-save"]
+
+
+def test_policy_change_with_warm_caches(fresh_cache):
+    from torch._dynamo.utils import counters
+    model, x = ToyLayer(), torch.randn(16, 32)
+    counters.clear()
+    be1, bw1 = compile_and_step(model, x, [TOPK])
+    assert bw1 == 0 and not be1.reports[0].from_cache and must_saved(be1.reports[0]) == [TOPK + ".default"]
+    assert counters["aot_autograd"]["autograd_cache_saved"] == 1, dict(counters["aot_autograd"])
+
+    be2, bw2 = compile_and_step(model, x, None)  # a different policy must not reuse the first artifact
+    assert bw2 == 1 and must_saved(be2.reports[0]) == []
+    assert be1.uuid != be2.uuid
+
+    counters.clear()
+    be3, bw3 = compile_and_step(model, x, [TOPK])  # warm: no partition runs, the report comes back
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert bw3 == 0
+    (rep,) = be3.reports
+    assert rep.from_cache and must_saved(rep) == [TOPK + ".default"]
+    assert rep.total_bytes == be1.reports[0].total_bytes
