@@ -1,0 +1,138 @@
+"""Kernel benchmark: TileLang DSA top-k vs the PyTorch reference kernel, sparse MLA fwd/bwd TFLOP/s.
+
+    python3 benchmarks/bench_kernels.py --out results/bench_kernels.json
+
+Top-k: GLM-5.2 indexer (32 heads x 128, top-k 2048), causal, bf16, at --topk-seq (4K, 16K).
+Sparse MLA: S = Sk = --mla-seq (16K), top-k 2048 IDs taken from the top-k kernel on random data,
+heads --mla-heads; FLOPs count every slot (fwd 2*S*H*T*(576+512), bwd 2*S*H*T*(3*576+2*512)).
+Times are medians of CUDA-event timings after warm-up.
+"""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import glm52_model.ops  # noqa: F401
+from glm52_model.ops.dsa_topk import _dsa_topk_kernel
+from glm52_model.ops.sparse_mla import _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
+
+
+def cuda_time_ms(fn, warmup=2, reps=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def topk_inputs(S, H=32, D=128, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(S, H, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(S, D, device="cuda", generator=g).bfloat16()
+    w = torch.randn(S, H, device="cuda", generator=g) * H ** -0.5
+    starts = torch.zeros(S, dtype=torch.int32, device="cuda")
+    ends = torch.arange(1, S + 1, dtype=torch.int32, device="cuda")
+    return q, k, w, starts, ends
+
+
+def bench_topk(S, topk, reps):
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    q, k, w, starts, ends = topk_inputs(S)
+    scale = 128 ** -0.5
+    row = {"S": S, "heads": 32, "dim": 128, "topk": topk}
+    row["tilelang_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale),
+                                      reps=reps)
+    # split: logits kernel alone (one chunk covers S here)
+    H, D = 32, 128
+    lk = tl.compile_indexer_logits(H, D, tl.cuda_target()["arch"], block_Q=4, block_N=tl.BLOCK_N)
+    sk = tl.compile_topk_select(topk, tl.cuda_target()["arch"])
+    logits = torch.empty(S, S, dtype=torch.float32, device="cuda")
+    wq = (w * scale).contiguous()
+    row["logits_kernel_ms"] = cuda_time_ms(lambda: lk(q.view(S * H, D), k, wq, starts, ends, logits), reps=reps)
+    out = torch.empty(S, topk, dtype=torch.int32, device="cuda")
+    row["select_kernel_ms"] = cuda_time_ms(lambda: sk(logits, starts, ends, out), reps=reps)
+    row["torch_topk_on_logits_ms"] = cuda_time_ms(lambda: torch.topk(logits, topk, dim=1), reps=reps)
+    row["reference_ms"] = cuda_time_ms(lambda: _dsa_topk_kernel(q, k, w, starts, ends, topk, scale),
+                                       warmup=1, reps=max(3, reps // 3))
+    row["speedup_vs_reference"] = row["reference_ms"] / row["tilelang_ms"]
+    ids = tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale)
+    ref = _dsa_topk_kernel(q, k, w, starts, ends, topk, scale)
+    same = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).all(1)
+    row["rows_with_identical_id_set"] = float(same.float().mean())
+    del logits
+    return row, ids
+
+
+def bench_mla(S, H, idx, reps, with_reference):
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(S, H, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
+    scale = 576 ** -0.5
+    topk = idx.shape[1]
+    fwd_flop, bwd_flop = tl.sparse_mla_flops(S, H, topk)
+    row = {"S": S, "heads": H, "topk": topk, "valid_slot_fraction": float((idx >= 0).float().mean())}
+    out, lse = tl.sparse_mla_tl(q, kv, idx, scale, 512)
+    dout = torch.randn_like(out)
+    row["fwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
+    row["bwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+    row["fwd_tflops"] = fwd_flop / row["fwd_ms"] / 1e9
+    row["bwd_tflops"] = bwd_flop / row["bwd_ms"] / 1e9
+    if with_reference:
+        row["reference_fwd_ms"] = cuda_time_ms(lambda: _sparse_mla_fwd_kernel(q, kv, idx, scale, 512),
+                                               warmup=1, reps=2)
+        row["reference_bwd_ms"] = cuda_time_ms(
+            lambda: _sparse_mla_bwd_kernel(q, kv, out, dout, idx, lse, scale, 512), warmup=1, reps=2)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--topk-seq", default="4096,16384")
+    p.add_argument("--mla-seq", type=int, default=16384)
+    p.add_argument("--mla-heads", default="16,64,128")
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--mla-reference", action="store_true", help="also time the PyTorch sparse MLA kernels")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels: needs a CUDA device")
+    import tilelang
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "tilelang": tilelang.__version__, "python": platform.python_version(),
+              "command": " ".join(sys.argv), "topk": [], "sparse_mla": []}
+    t0 = time.time()
+    ids16 = None
+    for S in (int(s) for s in args.topk_seq.split(",")):
+        row, ids = bench_topk(S, args.topk, args.reps)
+        print(json.dumps(row), flush=True)
+        result["topk"].append(row)
+        if S == args.mla_seq:
+            ids16 = ids
+    if ids16 is None:
+        _, ids16 = bench_topk(args.mla_seq, args.topk, 1)
+    for H in (int(h) for h in args.mla_heads.split(",")):
+        row = bench_mla(args.mla_seq, H, ids16, args.reps, args.mla_reference and H == 16)
+        print(json.dumps(row), flush=True)
+        result["sparse_mla"].append(row)
+    result["wall_s"] = time.time() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""TileLang CUDA kernels registered on the glm52 custom ops (`register_kernel(..., "cuda")`).
+
+Importing this package registers, when TileLang imports:
+
+- ``glm52::dsa_topk_indices``: fused indexer logits + radix top-k (:mod:`.dsa_topk_tl`);
+- ``glm52::sparse_mla`` / ``glm52::sparse_mla_bwd``: sparse MLA forward / backward (:mod:`.sparse_mla_tl`).
+
+Without TileLang nothing is registered and the PyTorch reference kernels run on CUDA as well.
+The ops must already be defined: ``glm52_model.ops`` imports the reference families first.
+Kernels are JIT-compiled on first use per shape family (a few seconds each) and cached by TileLang.
+"""
+
+try:
+    import tilelang  # noqa: F401
+except ImportError:
+    TILELANG_AVAILABLE = False
+else:
+    TILELANG_AVAILABLE = True
+
+if TILELANG_AVAILABLE:
+    from . import dsa_topk_tl, sparse_mla_tl
+
+    dsa_topk_tl.register()
+    sparse_mla_tl.register()
+
+__all__ = ["TILELANG_AVAILABLE", "build_kernel_source", "build_kernel_source_or_error", "ci_kernel_names"]
+
+
+def ci_kernel_names(target_arch: str = "sm_90a") -> list:
+    """Names of the kernels CI builds (one per kernel builder) for `target_arch`."""
+    return sorted({**dsa_topk_tl.ci_builds(target_arch), **sparse_mla_tl.ci_builds(target_arch)})
+
+
+def build_kernel_source(name: str, target_arch: str = "sm_90a", use_cache: bool = False) -> str:
+    """Lower and build kernel `name` (see `ci_kernel_names`) without launching it; returns its CUDA
+    source. Top-level so that a process pool can run several builds at once."""
+    import tilelang
+
+    if not use_cache:
+        tilelang.disable_cache()
+    builds = {**dsa_topk_tl.ci_builds(target_arch), **sparse_mla_tl.ci_builds(target_arch)}
+    if name not in builds:
+        raise KeyError(f"unknown kernel {name!r}; known: {sorted(builds)}")
+    return builds[name]().get_kernel_source()
+
+
+def build_kernel_source_or_error(name: str, target_arch: str = "sm_90a"):
+    """`build_kernel_source`, returning the exception instead of raising it (for process pools)."""
+    try:
+        return build_kernel_source(name, target_arch)
+    except Exception as e:  # handed back to the caller, which reports it per kernel
+        return e

@@ -1,0 +1,327 @@
+"""TileLang kernels for `glm52::dsa_topk_indices` (the DSA lightning-indexer top-k).
+
+Two kernels, run per chunk of query rows:
+
+1. `build_indexer_logits`: score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j]) (bf16 tensor-core GEMM,
+   fp32 accumulate), with the per-row key range [starts[i], ends[i]) fused in (keys outside it get
+   -inf); key tiles wholly outside the block's range are never computed.
+2. `build_topk_select`: one CTA per row; an exact 4-pass 8-bit radix select over the fp32 scores of
+   the row's key range finds the k-th largest value, a gather pass collects the winners into shared
+   memory, and a bitonic sort orders them by (score desc, key id asc). Rows with fewer valid keys
+   than top-k are padded with -1.
+
+The op's `scale` is folded into the weights before the logits kernel.
+"""
+
+
+import functools
+
+import torch
+
+import tilelang
+import tilelang.language as T
+
+from ..dsa_topk import count_call
+from ._common import cuda_target, next_pow2, pad_dim, round_up
+
+RADIX_BITS = 8
+RADIX = 1 << RADIX_BITS
+_INT_MAX = 2147483647
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------------
+def build_indexer_logits(heads: int, dim: int, *, block_Q: int | None = None, block_N: int = 128,
+                         num_stages: int = 2, threads: int = 256):
+    """Masked indexer logits, fp32 [Sq, Sk]. Sq must be a multiple of block_Q, Sk of block_N.
+
+    Tunables: block_Q queries per CTA (block_Q * heads rows form the GEMM's N side), block_N keys per
+    tile, pipeline depth, threads.
+    """
+    if block_Q is None:
+        block_Q = max(1, 128 // heads)
+    rows = block_Q * heads
+    seq_q = T.dynamic("seq_q")
+    seq_k = T.dynamic("seq_k")
+    dtype, accum = T.bfloat16, T.float32
+
+    @T.prim_func
+    def indexer_logits(
+        Q: T.Tensor([seq_q * heads, dim], dtype),  # [Sq * H, D]
+        K: T.Tensor([seq_k, dim], dtype),  # [Sk, D]
+        W: T.Tensor([seq_q, heads], accum),  # [Sq, H], scale folded in
+        Starts: T.Tensor([seq_q], T.int32),
+        Ends: T.Tensor([seq_q], T.int32),
+        Logits: T.Tensor([seq_q, seq_k], accum),  # [Sq, Sk]
+    ):
+        with T.Kernel(T.ceildiv(seq_q, block_Q), threads=threads) as bx:
+            q_shared = T.alloc_shared([rows, dim], dtype)
+            k_shared = T.alloc_shared([block_N, dim], dtype)
+            s = T.alloc_fragment([block_N, rows], accum)
+            s3 = T.reshape(s, (block_N, block_Q, heads))
+            logits = T.alloc_fragment([block_N, block_Q], accum)
+            w = T.alloc_fragment([block_Q, heads], accum)
+            lo = T.alloc_var(T.int32)
+            hi = T.alloc_var(T.int32)
+
+            q0 = bx * block_Q
+            lo = seq_k
+            hi = 0
+            for i in T.serial(block_Q):
+                lo = T.min(lo, Starts[q0 + i])
+                hi = T.max(hi, Ends[q0 + i])
+            hi = T.min(hi, seq_k)
+            lo = lo // block_N * block_N
+            n_tiles = T.max(T.ceildiv(hi - lo, block_N), 0)
+
+            T.copy(Q[q0 * heads, 0], q_shared)
+            T.copy(W[q0, 0], w)
+            for t in T.Pipelined(n_tiles, num_stages=num_stages):
+                k0 = lo + t * block_N
+                T.copy(K[k0, 0], k_shared)
+                T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                for n, i, h in T.Parallel(block_N, block_Q, heads):
+                    s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
+                T.reduce_sum(s3, logits, dim=-1, clear=True)
+                for i, n in T.Parallel(block_Q, block_N):
+                    Logits[q0 + i, k0 + n] = T.if_then_else(
+                        (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]),
+                        logits[n, i], -T.infinity(accum))
+
+    return indexer_logits
+
+
+def _ordered_key(x):
+    """fp32 -> uint32 whose unsigned order is the float order."""
+    bits = T.reinterpret(x, T.uint32)
+    return T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
+
+
+def build_topk_select(topk: int, *, threads: int = 1024):
+    """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad."""
+    sort_n = next_pow2(topk)
+    log_n = sort_n.bit_length() - 1
+    pairs = sort_n // 2
+    seq_q = T.dynamic("seq_q")
+    seq_k = T.dynamic("seq_k")
+
+    @T.prim_func
+    def topk_select(
+        Logits: T.Tensor([seq_q, seq_k], T.float32),
+        Starts: T.Tensor([seq_q], T.int32),
+        Ends: T.Tensor([seq_q], T.int32),
+        Out: T.Tensor([seq_q, topk], T.int32),
+    ):
+        with T.Kernel(seq_q, threads=threads) as row:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared([RADIX + 1], T.int32)  # becomes suffix sums; hist[RADIX] = 0
+            ctl = T.alloc_shared([4], T.int32)  # 0: threshold bin, 1: #greater, 2: #equal
+            skey = T.alloc_shared([sort_n], T.uint32)  # ~ordered key: ascending = score desc
+            sidx = T.alloc_shared([sort_n], T.int32)
+
+            start = T.alloc_var(T.int32)
+            end = T.alloc_var(T.int32)
+            prefix = T.alloc_var(T.uint32)
+            pmask = T.alloc_var(T.uint32)
+            krem = T.alloc_var(T.int32)
+            val = T.alloc_var(T.int32)
+            bin_ = T.alloc_var(T.int32)
+            pos = T.alloc_var(T.int32)
+            key = T.alloc_var(T.uint32)
+            x = T.alloc_var(T.float32)
+            ak = T.alloc_var(T.uint32)
+            bk = T.alloc_var(T.uint32)
+            ai = T.alloc_var(T.int32)
+            bi = T.alloc_var(T.int32)
+
+            start = T.max(Starts[row], 0)
+            end = T.min(Ends[row], seq_k)
+            prefix = T.uint32(0)
+            pmask = T.uint32(0)
+            krem = topk
+            n_valid = end - start
+            n_iter = T.ceildiv(T.max(n_valid, 0), threads)
+
+            for it in T.serial(T.ceildiv(sort_n, threads)):
+                p = it * threads + tx
+                if p < sort_n:
+                    skey[p] = T.uint32(0xFFFFFFFF)
+                    sidx[p] = _INT_MAX
+            if tx < 4:
+                ctl[tx] = 0
+
+            if n_valid > topk:
+                # radix select: find the exact 32-bit key of the k-th largest score
+                for rnd in T.serial(4):
+                    shift = T.Cast(T.uint32, 24 - rnd * RADIX_BITS)
+                    T.sync_threads()
+                    for it in T.serial(T.ceildiv(RADIX + 1, threads)):
+                        p = it * threads + tx
+                        if p <= RADIX:
+                            hist[p] = 0
+                    T.sync_threads()
+                    for it in T.serial(n_iter):
+                        j = start + it * threads + tx
+                        if j < end:
+                            x = Logits[row, j]
+                            key = _ordered_key(x)
+                            if (key & pmask) == prefix:
+                                T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
+                    # suffix sums over the RADIX bins (Hillis-Steele)
+                    for step in T.serial(RADIX_BITS):
+                        T.sync_threads()
+                        if tx < RADIX:
+                            val = hist[tx]
+                            if tx + (1 << step) < RADIX:
+                                val = val + hist[tx + (1 << step)]
+                        T.sync_threads()
+                        if tx < RADIX:
+                            hist[tx] = val
+                    T.sync_threads()
+                    if tx < RADIX:
+                        if hist[tx] >= krem and hist[tx + 1] < krem:
+                            ctl[0] = tx
+                    T.sync_threads()
+                    bin_ = ctl[0]
+                    krem = krem - hist[bin_ + 1]
+                    prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
+                    pmask = pmask | (T.uint32(RADIX - 1) << shift)
+                T.sync_threads()
+                # gather: all keys > threshold, then `krem` of the keys == threshold
+                for it in T.serial(n_iter):
+                    j = start + it * threads + tx
+                    if j < end:
+                        x = Logits[row, j]
+                        key = _ordered_key(x)
+                        if key > prefix:
+                            pos = T.atomic_add(ctl[1], 1, return_prev=True)
+                            skey[pos] = key ^ T.uint32(0xFFFFFFFF)
+                            sidx[pos] = j
+                        elif key == prefix:
+                            pos = T.atomic_add(ctl[2], 1, return_prev=True)
+                            if pos < krem:
+                                skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
+                                sidx[topk - krem + pos] = j
+            else:
+                T.sync_threads()
+                for it in T.serial(n_iter):
+                    j = start + it * threads + tx
+                    if j < end:
+                        x = Logits[row, j]
+                        skey[j - start] = _ordered_key(x) ^ T.uint32(0xFFFFFFFF)
+                        sidx[j - start] = j
+
+            # bitonic sort ascending by (skey, sidx)
+            for kk in T.serial(log_n):
+                for jj in T.serial(kk + 1):
+                    T.sync_threads()
+                    sh = kk - jj
+                    for it in T.serial(T.ceildiv(pairs, threads)):
+                        p = it * threads + tx
+                        if p < pairs:
+                            a = ((p >> sh) << (sh + 1)) | (p & ((1 << sh) - 1))
+                            b = a + (1 << sh)
+                            ak = skey[a]
+                            bk = skey[b]
+                            ai = sidx[a]
+                            bi = sidx[b]
+                            if ((ak > bk) | ((ak == bk) & (ai > bi))) == ((a & (2 << kk)) == 0):
+                                skey[a] = bk
+                                skey[b] = ak
+                                sidx[a] = bi
+                                sidx[b] = ai
+            T.sync_threads()
+            for it in T.serial(T.ceildiv(topk, threads)):
+                p = it * threads + tx
+                if p < topk:
+                    Out[row, p] = T.if_then_else(sidx[p] == _INT_MAX, -1, sidx[p])
+
+    return topk_select
+
+
+# The select kernel places every barrier itself (the automatic pass would add one per loop trip).
+_SELECT_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+
+
+@functools.lru_cache(maxsize=None)
+def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", **tunables):
+    return tilelang.compile(build_indexer_logits(heads, dim, **tunables),
+                            target={"kind": "cuda", "arch": target_arch})
+
+
+@functools.lru_cache(maxsize=None)
+def compile_topk_select(topk: int, target_arch: str = "sm_90a", **tunables):
+    return tilelang.compile(build_topk_select(topk, **tunables),
+                            target={"kind": "cuda", "arch": target_arch},
+                            pass_configs=_SELECT_PASS_CONFIGS)
+
+
+def ci_builds(target_arch: str = "sm_90a") -> dict:
+    """name -> thunk building (not running) one kernel of this family for `target_arch` (CI)."""
+    return {
+        "indexer_logits[h32,d128]": lambda: tilelang.compile(
+            build_indexer_logits(32, 128, block_N=BLOCK_N), target={"kind": "cuda", "arch": target_arch}),
+        "topk_select[k2048]": lambda: tilelang.compile(
+            build_topk_select(2048), target={"kind": "cuda", "arch": target_arch},
+            pass_configs=_SELECT_PASS_CONFIGS),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------------
+LOGITS_BUDGET_BYTES = 1 << 30  # fp32 scores materialised per query chunk
+BLOCK_N = 128
+
+
+def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
+                        ends: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+    """CUDA kernel of `glm52::dsa_topk_indices`: q [S, H, D] bf16, k [Sk, D] bf16, weights [S, H]
+    fp32, starts/ends [S] int32 -> int32 [S, topk], ids by descending score, -1 padded."""
+    if q.dim() != 3 or k.dim() != 2 or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"dsa_topk_indices: want q [S, H, D] and k [Sk, D], got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    S, H, D = q.shape
+    Sk = k.shape[0]
+    if weights.shape != (S, H) or starts.shape != (S,) or ends.shape != (S,):
+        raise ValueError(f"dsa_topk_indices: weights must be [{S}, {H}] and starts/ends [{S}], got "
+                         f"{tuple(weights.shape)}, {tuple(starts.shape)}, {tuple(ends.shape)}")
+    if topk <= 0:
+        raise ValueError(f"dsa_topk_indices: topk must be positive, got {topk}")
+    count_call()
+    dev = q.device
+    out = torch.empty(S, topk, dtype=torch.int32, device=dev)
+    if S == 0:
+        return out
+    arch = cuda_target(dev)["arch"]
+    block_Q = max(1, 128 // H)
+    logits_k = compile_indexer_logits(H, D, arch, block_Q=block_Q, block_N=BLOCK_N)
+    select_k = compile_topk_select(topk, arch)
+
+    q = q.to(torch.bfloat16).contiguous()
+    k_pad = pad_dim(k.to(torch.bfloat16), 0, round_up(max(Sk, 1), BLOCK_N))
+    Skp = k_pad.shape[0]
+    w = (weights.to(torch.float32) * scale).contiguous()
+    starts = starts.to(torch.int32).clamp(0, Sk).contiguous()
+    ends = ends.to(torch.int32).clamp(0, Sk).contiguous()
+
+    chunk = max(block_Q, (LOGITS_BUDGET_BYTES // (Skp * 4)) // block_Q * block_Q)
+    chunk = min(chunk, round_up(S, block_Q))
+    logits = torch.empty(chunk, Skp, dtype=torch.float32, device=dev)
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        n = c1 - c0
+        n_pad = round_up(n, block_Q)
+        qc = pad_dim(q[c0:c1], 0, n_pad).view(n_pad * H, D)
+        wc = pad_dim(w[c0:c1], 0, n_pad)
+        sc = pad_dim(starts[c0:c1], 0, n_pad)
+        ec = pad_dim(ends[c0:c1], 0, n_pad)
+        logits_k(qc, k_pad, wc, sc, ec, logits[:n_pad])
+        select_k(logits[:n], sc[:n], ec[:n], out[c0:c1])
+    return out
+
+
+def register() -> None:
+    torch.library.register_kernel("glm52::dsa_topk_indices", "cuda")(dsa_topk_indices_tl)

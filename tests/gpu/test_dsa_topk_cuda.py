@@ -1,0 +1,113 @@
+"""CUDA (TileLang) kernel of glm52::dsa_topk_indices vs the PyTorch reference.
+
+The kernel's scores are the same bf16 products summed in fp32 in another order, so scores may differ
+from the reference's by a few fp32 ulps; IDs must agree except where two candidates' scores are within
+SCORE_TOL of each other at the selection boundary (ties). The tie test counts those differences.
+"""
+import pytest
+import torch
+
+import glm52_model.ops  # noqa: F401
+from glm52_model.ops.dsa_topk import _dsa_topk_kernel, ref_dsa_scores
+
+tl_ops = pytest.importorskip("glm52_model.ops.cuda.dsa_topk_tl", reason="TileLang not installed")
+SCORE_TOL = 1e-4  # relative to the row's score scale
+
+
+def _inputs(S, H, D, packed=False, seed=0, Sk=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Sk = Sk or S
+    q = torch.randn(S, H, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(Sk, D, device="cuda", generator=g).bfloat16()
+    w = torch.randn(S, H, device="cuda", generator=g) * H ** -0.5
+    pos = torch.arange(S, device="cuda", dtype=torch.int32)
+    if packed:  # three documents: keys from the document start up to the query
+        bounds = torch.tensor([0, S // 3, S // 2], device="cuda", dtype=torch.int32)
+        starts = bounds[(pos[:, None] >= bounds[None]).sum(1) - 1]
+    else:
+        starts = torch.zeros_like(pos)
+    ends = pos + 1
+    return q, k, w, starts, ends
+
+
+def _check_rows(ids, scores, topk, starts, ends):
+    """Kernel-independent checks: valid, unique, sorted, and a correct top-k set up to ties.
+    Returns the number of rows whose set differs from the exact sorted reference set."""
+    S = ids.shape[0]
+    n_valid = (ends - starts).clamp(min=0).long()
+    want = n_valid.clamp(max=topk)
+    got_n = (ids >= 0).sum(1)
+    assert torch.equal(got_n, want), "wrong number of valid IDs per row"
+    pos = torch.arange(topk, device=ids.device)
+    assert bool(((ids >= 0) == (pos[None] < want[:, None])).all()), "-1 padding not at the end"
+    safe = ids.long().clamp(min=0)
+    in_range = (safe >= starts[:, None]) & (safe < ends[:, None])
+    assert bool(in_range[ids >= 0].all()), "ID outside [start, end)"
+    srt = torch.sort(torch.where(ids >= 0, ids.long(), -1 - pos[None]), dim=1).values
+    assert bool((srt[:, 1:] != srt[:, :-1]).all()), "duplicate IDs in a row"
+    sel = torch.gather(scores, 1, safe).masked_fill(ids < 0, float("-inf"))
+    scale = scores.masked_fill(torch.isinf(scores), 0).abs().amax(1, keepdim=True).clamp_min(1e-6)
+    tol = SCORE_TOL * scale
+    assert bool((sel[:, 1:] <= sel[:, :-1] + tol).all()), "IDs not sorted by descending score"
+    # the smallest selected score is >= every unselected valid score (up to tol)
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, safe, ids >= 0)
+    rest = scores.masked_fill(chosen, float("-inf")).amax(1)
+    kth = sel.masked_fill(ids < 0, float("inf")).amin(1)
+    full = want == topk
+    assert bool((rest[full] <= kth[full] + tol[full, 0]).all()), "a better key was left out"
+    exact = torch.topk(scores, topk, dim=1).indices if scores.shape[1] >= topk else None
+    if exact is None:
+        return 0
+    a = torch.sort(torch.where(ids >= 0, ids.long(), -1), 1).values
+    b = torch.sort(torch.where(torch.isinf(torch.gather(scores, 1, exact)), -1, exact), 1).values
+    return int((a != b).any(1).sum())
+
+
+@pytest.mark.parametrize("S,H,D,topk,packed", [
+    (700, 32, 128, 64, False),     # GLM-5.2 indexer shape, short rows and radix rows
+    (2500, 32, 128, 2048, True),   # real top-k, packed documents
+    (1000, 8, 64, 256, False),     # other head count / dim (block_Q = 16)
+])
+def test_topk_matches_reference_up_to_ties(S, H, D, topk, packed):
+    q, k, w, starts, ends = _inputs(S, H, D, packed)
+    scale = D ** -0.5
+    ids = torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, topk, scale)
+    assert ids.dtype == torch.int32 and ids.shape == (S, topk) and ids.is_contiguous()
+    scores = ref_dsa_scores(q, k, w, starts, ends, scale)
+    _check_rows(ids, scores, topk, starts, ends)
+    ref = _dsa_topk_kernel(q, k, w, starts, ends, topk, scale)  # the PyTorch kernel, on CUDA
+    same_set = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).all(1)
+    assert float(same_set.float().mean()) >= 0.99, f"only {float(same_set.float().mean()):.4f} rows equal"
+
+
+def test_topk_tie_differences_are_quantified():
+    """Force exact ties (integer-valued scores with many repeats) and count how the kernel's picks at
+    the boundary differ from the reference's; every difference must be a tie."""
+    S, H, D, topk = 1200, 32, 128, 256
+    q, k, w, starts, ends = _inputs(S, H, D, seed=3)
+    k = (k.float() * 2).round().clamp(-2, 2).bfloat16()  # few distinct key vectors -> tied scores
+    q = (q.float() * 2).round().clamp(-2, 2).bfloat16()
+    w = torch.ones_like(w)
+    ids = torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, topk, 1.0)
+    scores = ref_dsa_scores(q, k, w, starts, ends, 1.0)
+    ref = _dsa_topk_kernel(q, k, w, starts, ends, topk, 1.0)
+    differing = _check_rows(ids, scores, topk, starts, ends)
+    a, b = ids.long().clamp(min=0), ref.long().clamp(min=0)
+    ga = torch.gather(scores, 1, a).masked_fill(ids < 0, 0).sort(1).values
+    gb = torch.gather(scores, 1, b).masked_fill(ref < 0, 0).sort(1).values
+    # same multiset of selected scores in every row: the differences are only among equal scores
+    assert torch.equal(ga, gb), "the kernel and the reference select different score multisets"
+    rows_diff = int((torch.sort(ids, 1).values != torch.sort(ref, 1).values).any(1).sum())
+    print(f"tie rows differing from torch.topk: {rows_diff}/{S}; from exact sort: {differing}/{S}")
+
+
+def test_topk_all_keys_valid_and_empty_rows():
+    S, H, D, topk = 300, 32, 128, 128
+    q, k, w, _, _ = _inputs(S, H, D, seed=5, Sk=500)
+    starts = torch.zeros(S, dtype=torch.int32, device="cuda")
+    ends = torch.full((S,), 500, dtype=torch.int32, device="cuda")
+    ends[:5] = 0  # empty rows -> all -1
+    ids = torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, topk, 0.1)
+    assert bool((ids[:5] == -1).all())
+    scores = ref_dsa_scores(q, k, w, starts, ends, 0.1)
+    _check_rows(ids, scores, topk, starts, ends)
