@@ -9,7 +9,7 @@ setup(
     install_requires=["torch>=2.11,<2.15"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "expecttest==0.3.0"],
-        "tilelang": ["tilelang==0.1.15"],
+        "cuda": ["tilelang==0.1.15"],  # TileLang kernels for the H200 (built in CI, run on the GPU)
     },
     entry_points={
         "torch_dynamo_backends": ["sacpass = sacpass.backend:sacpass_backend"],

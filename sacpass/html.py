@@ -81,7 +81,7 @@ def _nodes(gm: torch.fx.GraphModule, saved: dict[str, int], must_save: dict[str,
             "saved_bytes": saved[node.name] if is_saved else None,
             "must_save": node.name in must_save,
             "selector": must_save.get(node.name, ""),
-            "recomputed": side == "backward" and node.name in recomputed,
+            "recomputed": node.name in recomputed,  # run in forward, run again in backward
         })
     return out
 
@@ -222,7 +222,7 @@ _SCRIPT = r"""
     if (n.value) { row.appendChild(document.createTextNode(" ")); row.appendChild(el("span", "value", n.value)); }
     if (n.saved_bytes !== null) row.appendChild(badge("saved", "saved " + bytes(n.saved_bytes)));
     if (n.must_save) row.appendChild(badge("must", "must-save \u00b7 " + (n.module || "<root>")));
-    if (n.recomputed) row.appendChild(badge("recomputed", "recomputed"));
+    if (n.recomputed) row.appendChild(badge("recomputed", side === "forward" ? "recomputed in backward" : "recomputed"));
     if (n.tag && n.tag !== "PREFER_RECOMPUTE") row.appendChild(badge("count", n.tag));
     if (n.must_save && (n.code || n.source)) {
       row.appendChild(el("span", "code", (n.source ? n.source + "  " : "") + n.code));

@@ -111,13 +111,22 @@ def _returns_tensor(schema) -> bool:
     return False
 
 
+def _returns_mutated_input(schema) -> bool:
+    return any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns)
+
+
 def _check_taggable(op: torch._ops.OpOverload, spelled: str) -> None:
+    """Refuse ops whose result is a mutated input (in-place, out=) or that return no tensor.
+
+    Ops that mutate an auxiliary argument but return a fresh tensor are accepted: in the joint graph they
+    appear wrapped in ``auto_functionalized`` and the pass tags the wrapper and its outputs.
+    """
     schema = op._schema
-    if schema.is_mutable:
+    if _returns_mutated_input(schema):
         raise SelectorError(
-            f"sacpass: selector {spelled!r} names {schema.name}.{op._overloadname or 'default'}, whose schema "
-            f"mutates its inputs ({schema}). A mutating op cannot be saved for backward; select its "
-            f"functional variant instead, or return the result from a functional custom op.")
+            f"sacpass: selector {spelled!r} names {schema.name}.{op._overloadname or 'default'}, which returns "
+            f"an input it mutates ({schema}). A mutated input cannot be saved for backward; select its "
+            f"functional variant instead, or return a fresh tensor from a functional custom op.")
     if not _returns_tensor(schema):
         raise SelectorError(
             f"sacpass: selector {spelled!r} names {schema.name}, which returns no tensor ({schema}); "
@@ -201,7 +210,8 @@ class OpSelector:
             _check_taggable(op, spelled)
             return (op,)
         ops = [getattr(packet, o) for o in packet.overloads()]
-        functional = tuple(op for op in ops if not op._schema.is_mutable and _returns_tensor(op._schema))
+        functional = tuple(op for op in ops
+                           if not _returns_mutated_input(op._schema) and _returns_tensor(op._schema))
         if not functional:
             _check_taggable(ops[0], spelled)  # raises with the reason
         return functional

@@ -226,3 +226,25 @@ def test_registered_policy_is_the_default():
         assert bw == 0
     finally:
         sacpass.policies._REGISTRY.remove(sel)
+
+
+@pytest.mark.parametrize("variant,op", [("mutating", "sacpass_toy::topk_ids_counting"),
+                                        ("effectful", "sacpass_toy::topk_ids_effectful")])
+def test_wrapped_ops(variant, op):
+    """auto_functionalized / with_effects around the selected op: the wrapper and its outputs are tagged."""
+    from toy import WrappedTopkLayer
+    ref = WrappedTopkLayer(variant)
+    x = torch.randn(16, 32)
+    _, grads_e, _, _ = run_step(ref, x)
+    assert float(ref.seen) in (0.0, 2.0)  # eager: forward + checkpoint replay (mutating variant)
+    be = sacpass.backend(save=[op], inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    seen_before = float(model.seen)
+    _, grads_s, fw, bw = run_step(model, x)
+    assert (fw, bw) == (1, 0)
+    assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
+    joint = be.results[0].joint_text
+    wrapper = "auto_functionalized" if variant == "mutating" else "with_effects"
+    assert any(wrapper in line and "MUST_SAVE" in line for line in joint.splitlines()), joint
+    if variant == "mutating":
+        assert float(model.seen) == seen_before + 1  # compiled: the mutation happened once, not replayed

@@ -154,3 +154,58 @@ def assert_close_lists(a, b, **tol):
     assert len(a) == len(b), (len(a), len(b))
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, **tol)
+
+
+@torch.library.custom_op("sacpass_toy::topk_ids_counting", mutates_args=("seen",))
+def toy_topk_ids_counting(q: torch.Tensor, k: torch.Tensor, seen: torch.Tensor, topk: int) -> torch.Tensor:
+    """Like topk_ids, and adds 1 to ``seen`` per call: a mutating op returning a fresh tensor
+    (auto_functionalized in the joint graph)."""
+    seen.add_(1)
+    return toy_topk_ids(q, k, topk)
+
+
+@toy_topk_ids_counting.register_fake
+def _(q, k, seen, topk):
+    return q.new_empty((q.shape[0], topk), dtype=torch.int32)
+
+
+@torch.library.custom_op("sacpass_toy::topk_ids_effectful", mutates_args=())
+def toy_topk_ids_effectful(q: torch.Tensor, k: torch.Tensor, topk: int) -> torch.Tensor:
+    """Like topk_ids, registered as an ordered side-effecting op (with_effects in the joint graph)."""
+    return toy_topk_ids(q, k, topk)
+
+
+@toy_topk_ids_effectful.register_fake
+def _(q, k, topk):
+    return q.new_empty((q.shape[0], topk), dtype=torch.int32)
+
+
+def _register_effectful():
+    from torch._higher_order_ops import effects
+    op = torch.ops.sacpass_toy.topk_ids_effectful.default
+    if hasattr(effects, "_register_effectful_op"):
+        effects._register_effectful_op(op, effects._EffectType.ORDERED)
+    else:  # pragma: no cover - older spelling
+        effects.SIDE_EFFECTS[op] = effects._EffectType.ORDERED
+
+
+_register_effectful()
+
+
+class WrappedTopkLayer(ToyLayer):
+    """The toy layer with its top-k replaced by a mutating or an effectful variant."""
+
+    def __init__(self, variant: str, **kw):
+        super().__init__(**kw)
+        self.variant = variant
+        self.register_buffer("seen", torch.zeros(()))
+
+    def body(self, x):
+        with torch.no_grad():
+            q, k = self.indexer.wq(x), self.indexer.wk(x)
+            if self.variant == "mutating":
+                ids = torch.ops.sacpass_toy.topk_ids_counting(q, k, self.seen, self.indexer.topk)
+            else:
+                ids = torch.ops.sacpass_toy.topk_ids_effectful(q, k, self.indexer.topk)
+        h = x + self.wo(sparse_attend(self.wq(x), self.wkv(x), ids))
+        return h + self.mlp(h)
