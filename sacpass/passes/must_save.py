@@ -3,9 +3,10 @@
 Requires: an AOTAutograd joint graph (placeholders ``primals_*`` and ``tangents_*``), before partitioning.
 Ensures: every forward node produced by a must-save selector, and every getitem that unpacks it (nested
 tuples included), has ``meta["recompute"] = CheckpointPolicy.MUST_SAVE``; every forward node produced by a
-must-recompute selector has ``MUST_RECOMPUTE``; chains of cheap unary ops (casts, views, pointwise) fed only
-by a must-save value are ``MUST_RECOMPUTE``, so the producer's narrow form (int32, not a widened int64) is
-what the backward loads. Nothing else is changed: other tags, ``ac_graph_id`` and
+must-recompute selector has ``MUST_RECOMPUTE``; along chains of cheap unary ops (casts, views, pointwise)
+fed only by a must-save value, links no smaller than what precedes them are ``MUST_RECOMPUTE`` and links
+narrower than everything before them are ``MUST_SAVE``, so the narrowest form (int32, never a widened
+int64) is what the backward loads. Nothing else is changed: other tags, ``ac_graph_id`` and
 the graph's structure stay as they were. Nodes computed from tangents (the backward part of the joint) are
 never tagged: they are not recomputations.
 """
@@ -124,23 +125,41 @@ def _is_cheap_unary(node: torch.fx.Node) -> bool:
     return any(r.alias_info is not None for r in op._schema.returns)  # a view
 
 
-def _cheap_derivatives(roots: list[torch.fx.Node], backward: set[torch.fx.Node]) -> list[torch.fx.Node]:
+def _nbytes(node: torch.fx.Node) -> int | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    from ..report import tensor_nbytes
+    return tensor_nbytes(val)
+
+
+def _cheap_derivatives(roots: list[torch.fx.Node], backward: set[torch.fx.Node]
+                       ) -> list[tuple[torch.fx.Node, CheckpointPolicy]]:
     """Nodes computed from a must-save value by a chain of cheap unary ops (``ids.clamp(0).long()``).
 
-    Left to the min-cut, such a chain can be saved in its widened form (int64 instead of int32); tagging it
-    MUST_RECOMPUTE makes the backward rebuild it from the saved producer, which is never larger.
+    Left to the min-cut, such a chain can be saved in a widened form (int64 instead of int32). A link no
+    smaller than the narrowest value before it is tagged MUST_RECOMPUTE (the backward rebuilds it); a link
+    narrower than everything before it (``topk(...).indices.int()``) is tagged MUST_SAVE, so the narrow
+    form is what the backward loads and the wide producer need not be kept.
     """
-    out, frontier, seen = [], list(roots), set(roots)
+    out: list[tuple[torch.fx.Node, CheckpointPolicy]] = []
+    frontier = [(r, _nbytes(r)) for r in roots]
+    seen = set(roots)
     while frontier:
-        node = frontier.pop()
+        node, narrowest = frontier.pop()
         for user in node.users:
             if user in seen or user in backward or not _is_cheap_unary(user):
                 continue
             if user.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
                 continue
             seen.add(user)
-            out.append(user)
-            frontier.append(user)
+            size = _nbytes(user)
+            if size is not None and narrowest is not None and size < narrowest:
+                out.append((user, CheckpointPolicy.MUST_SAVE))
+                frontier.append((user, size))
+            else:
+                out.append((user, CheckpointPolicy.MUST_RECOMPUTE))
+                frontier.append((user, narrowest))
     return out
 
 
@@ -185,7 +204,7 @@ def tag_must_save_pass(gm: torch.fx.GraphModule, policy: Policy, *, strict: bool
         targets = [(t, tag, str(sel)) for t in [node] + (_unpackers(node) if tag is CheckpointPolicy.MUST_SAVE else [])]
         if tag is CheckpointPolicy.MUST_SAVE:
             derived = _cheap_derivatives([t for t, _, _ in targets], backward)
-            targets += [(d, CheckpointPolicy.MUST_RECOMPUTE, f"derived from {sel}") for d in derived]
+            targets += [(d, d_tag, f"derived from {sel}") for d, d_tag in derived]
         for target, target_tag, why in targets:
             previous = target.meta.get("recompute")
             target.meta["recompute"] = target_tag
