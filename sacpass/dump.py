@@ -22,9 +22,18 @@ import re
 
 from .errors import DumpError
 
-__all__ = ["Dumper", "DUMP_VERSION", "read_index", "read_report", "read_view", "render_dump"]
+__all__ = ["Dumper", "DUMP_VERSION", "read_index", "read_report", "read_view", "render_dump", "trace_report"]
 
 DUMP_VERSION = 1
+
+
+def trace_report(report) -> None:
+    """Emit ``report`` as a structured-trace artifact (``TORCH_TRACE``), so tlparse shows it beside the AOT
+    graphs of the same compile. Costs nothing when structured tracing is off."""
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": f"sacpass_report_{report.graph}", "encoding": "json"},
+                     payload_fn=report.to_json)
 
 
 def _readable(gm) -> str:

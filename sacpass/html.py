@@ -169,13 +169,14 @@ table.saved { border-collapse: collapse; margin: 6px 0; font-family: ui-monospac
 table.saved td, table.saved th { border: 1px solid #ddd; padding: 1px 6px; text-align: left; }
 tr.must-save td { background: #fff1c7; }
 .sides { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; }
+.side { min-width: 0; }
 .side h3 { font-size: 13px; margin: 4px 0; }
 details.group { border: 1px solid #e3e3e3; border-radius: 4px; margin: 3px 0; background: #fff; }
 details.group > summary { cursor: pointer; padding: 2px 6px; font-family: ui-monospace, monospace; }
 .node { font-family: ui-monospace, monospace; font-size: 12px; padding: 1px 8px; border-top: 1px solid #f2f2f2;
   white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .node .op { color: #555; } .node .value { color: #888; } .node .code { color: #777; display: block;
-  white-space: pre-wrap; padding-left: 2em; }
+  white-space: pre-wrap; overflow-wrap: anywhere; padding-left: 2em; }
 .node.saved { background: #e3f4e3; } .node.recomputed { background: #fde8e8; }
 .node.must-save { outline: 2px solid #e0a800; outline-offset: -2px; }
 .badge { display: inline-block; border-radius: 3px; padding: 0 4px; margin-left: 4px; font-size: 11px; }

@@ -139,14 +139,15 @@ def _cheap_derivatives(roots: list[torch.fx.Node], backward: set[torch.fx.Node]
 
     Left to the min-cut, such a chain can be saved in a widened form (int64 instead of int32). A link no
     smaller than the narrowest value before it is tagged MUST_RECOMPUTE (the backward rebuilds it); a link
-    narrower than everything before it (``topk(...).indices.int()``) is tagged MUST_SAVE, so the narrow
-    form is what the backward loads and the wide producer need not be kept.
+    narrower than everything before it (``topk(...).indices.int()``), on a chain nothing else reads, is
+    tagged MUST_SAVE, so the narrow form is what the backward loads and the wide producer need not be kept.
     """
     out: list[tuple[torch.fx.Node, CheckpointPolicy]] = []
-    frontier = [(r, _nbytes(r)) for r in roots]
+    # (node, narrowest size so far, whether every link so far has this chain as its only user)
+    frontier = [(r, _nbytes(r), len(r.users) == 1) for r in roots]
     seen = set(roots)
     while frontier:
-        node, narrowest = frontier.pop()
+        node, narrowest, linear = frontier.pop()
         for user in node.users:
             if user in seen or user in backward or not _is_cheap_unary(user):
                 continue
@@ -154,12 +155,13 @@ def _cheap_derivatives(roots: list[torch.fx.Node], backward: set[torch.fx.Node]
                 continue
             seen.add(user)
             size = _nbytes(user)
-            if size is not None and narrowest is not None and size < narrowest:
+            # a narrower link replaces the wide value only if nothing else reads the wide value
+            if linear and size is not None and narrowest is not None and size < narrowest:
                 out.append((user, CheckpointPolicy.MUST_SAVE))
-                frontier.append((user, size))
+                frontier.append((user, size, len(user.users) == 1))
             else:
                 out.append((user, CheckpointPolicy.MUST_RECOMPUTE))
-                frontier.append((user, narrowest))
+                frontier.append((user, narrowest, linear and len(user.users) == 1))
     return out
 
 
