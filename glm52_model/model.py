@@ -1,0 +1,306 @@
+"""GLM-5.2 modules: MLA with the DSA indexer and absorbed sparse MLA, MoE, decoder layers, the LM.
+
+Tokens are packed: every activation is [T, ...] over all sequences of the batch, and per-query key
+ranges [starts, ends) (causal, within the query's own sequence) come from ``cu_seqlens``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from . import ops  # noqa: F401  (registers torch.ops.glm52.*)
+from .config import GLM52Config
+from .ops.fp8 import fp8_linear
+
+__all__ = ["RMSNorm", "Linear", "Indexer", "MLA", "MLP", "MoE", "DecoderLayer", "GLM52ForCausalLM",
+           "packed_ranges", "rope_cos_sin", "apply_rope"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Linear(nn.Linear):
+    """Bias-free Linear that runs its GEMMs in tile-wise FP8 when ``fp8`` is set."""
+
+    def __init__(self, in_features: int, out_features: int, fp8: bool = False):
+        super().__init__(in_features, out_features, bias=False)
+        self.fp8 = fp8
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight) if self.fp8 else F.linear(x, self.weight)
+
+
+def rope_cos_sin(positions: Tensor, dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    angles = positions.float()[:, None] * inv_freq                               # [T, dim/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """Rotate pairs of x [T, ..., dim]: (2i, 2i+1) when interleaved, else (i, i + dim/2)."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x.dtype)
+
+
+def packed_ranges(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per token: (position in its sequence, key range start, key range end (causal), sequence end)."""
+    t = torch.arange(num_tokens, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), t, right=True)              # sequence of each token
+    start, seq_end = cu_seqlens[seq].long(), cu_seqlens[seq + 1].long()
+    return t - start, start.to(torch.int32), (t + 1).to(torch.int32), seq_end
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer (GLM flavour); the caller runs it under ``torch.no_grad()``."""
+
+    def __init__(self, cfg: GLM52Config):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.fp8)  # query from the MLA q latent
+        self.wk = Linear(cfg.hidden_size, self.head_dim, cfg.fp8)                  # one shared key head
+        self.k_norm = nn.LayerNorm(self.head_dim)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x_pe, x_nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(x_pe, cos, sin, interleaved=True), x_nope], dim=-1)
+
+    def forward(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, starts: Tensor,
+                ends: Tensor) -> Tensor:
+        T = x.shape[0]
+        q = self._rope(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, Hi, Di]
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)                                   # [T, Di]
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5                             # [T, Hi]
+        return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, self.topk, self.head_dim ** -0.5)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention, absorbed: all heads attend over one shared (kv_lora + rope) latent,
+    restricted to the DSA top-k keys. Full layers own an indexer; shared layers take IDs as input."""
+
+    def __init__(self, cfg: GLM52Config, compute_topk: bool):
+        super().__init__()
+        self.n_heads, self.nope, self.rope, self.v_dim = (cfg.num_heads, cfg.qk_nope_head_dim,
+                                                          cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.kv_lora, self.rope_theta = cfg.kv_lora_rank, cfg.rope_theta
+        self.softmax_scale = cfg.qk_head_dim ** -0.5
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, cfg.fp8)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, cfg.fp8)
+        self.wkv_a = Linear(cfg.hidden_size, cfg.kv_latent_dim, cfg.fp8)
+        self.kv_norm = RMSNorm(self.kv_lora, cfg.rms_norm_eps)
+        # Used absorbed (its weight enters einsums on q and on the output), hence never FP8.
+        self.wkv_b = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.wo = Linear(self.n_heads * self.v_dim, cfg.hidden_size, cfg.fp8)
+        self.indexer = Indexer(cfg) if compute_topk else None
+
+    def forward(self, x: Tensor, positions: Tensor, starts: Tensor, ends: Tensor,
+                topk_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        T, H = x.shape[0], self.n_heads
+        q_latent = self.q_norm(self.wq_a(x))                                      # [T, q_lora]
+        q_nope, q_pe = self.wq_b(q_latent).view(T, H, -1).split([self.nope, self.rope], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)       # [T, kv_lora], [T, rope]
+        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=False)                     # [T, H, rope]
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=False)                     # [T, rope]
+        if self.indexer is not None:
+            with torch.no_grad():
+                topk_ids = self.indexer(x, q_latent, cos, sin, starts, ends)     # [T, topk] int32
+        w_kv_b = self.wkv_b.weight.view(H, self.nope + self.v_dim, self.kv_lora)
+        q_latent_nope = torch.einsum("thd,hdc->thc", q_nope, w_kv_b[:, :self.nope])  # absorb W_UK: [T, H, kv_lora]
+        q_abs = torch.cat([q_latent_nope, q_pe], dim=-1)                         # [T, H, kv_lora + rope]
+        kv_abs = torch.cat([self.kv_norm(kv), k_pe], dim=-1)                     # [T, kv_lora + rope]
+        o_latent, _ = torch.ops.glm52.sparse_mla(q_abs, kv_abs, topk_ids, self.softmax_scale, self.kv_lora)
+        o = torch.einsum("thc,hvc->thv", o_latent, w_kv_b[:, self.nope:])       # absorb W_UV: [T, H, v]
+        return self.wo(o.flatten(1)), topk_ids
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int, fp8: bool):
+        super().__init__()
+        self.gate_proj, self.up_proj = Linear(dim, hidden, fp8), Linear(dim, hidden, fp8)
+        self.down_proj = Linear(hidden, dim, fp8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Sigmoid router with bias-corrected top-k selection, normalised and scaled weights, grouped
+    expert GEMMs over expert-sorted tokens (fixed shapes: no host sync, one graph for any routing),
+    plus one shared expert."""
+
+    def __init__(self, cfg: GLM52Config):
+        super().__init__()
+        E, h, Im = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.n_experts, self.top_k, self.route_scale = E, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        self.gate = nn.Parameter(torch.empty(E, h))
+        # Load-balancing bias: shifts which experts are selected, never the weights; updated outside autograd.
+        self.register_buffer("e_score_correction_bias", torch.zeros(E), persistent=True)
+        self.w_gate = nn.Parameter(torch.empty(E, h, Im))                       # x @ w_gate[e]
+        self.w_up = nn.Parameter(torch.empty(E, h, Im))
+        self.w_down = nn.Parameter(torch.empty(E, Im, h))
+        self.shared_experts = MLP(h, Im * cfg.num_shared_experts, cfg.fp8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        T, k = x.shape[0], self.top_k
+        scores = F.linear(x.float(), self.gate.float()).sigmoid()                 # [T, E]
+        expert = torch.topk(scores + self.e_score_correction_bias, k, dim=-1).indices  # [T, k]
+        weight = scores.gather(1, expert)
+        weight = weight / weight.sum(-1, keepdim=True) * self.route_scale        # [T, k]
+        flat = expert.flatten()                                                  # [T*k]
+        order = torch.argsort(flat, stable=True)                                 # assignments by expert
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)                                  # [E] group ends
+        token = order // k                                                       # [T*k] source token
+        xs = x[token]                                                            # [T*k, h] sorted by expert
+        hs = F.silu(torch.ops.glm52.grouped_mm(xs, self.w_gate, offs)) * torch.ops.glm52.grouped_mm(
+            xs, self.w_up, offs)                                                 # [T*k, Im]
+        ys = torch.ops.glm52.grouped_mm(hs, self.w_down, offs)                   # [T*k, h]
+        ys = ys * weight.flatten()[order, None].to(ys.dtype)
+        routed = x.new_zeros(x.shape).index_add(0, token, ys)                   # [T, h]
+        return routed + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm MLA + (dense MLP | MoE). Full layers compute top-k IDs; shared layers consume the IDs
+    passed in. With ``cfg.recompute`` the body runs under non-reentrant checkpointing, inside this
+    forward, so compiling the layer compiles checkpoint(layer)."""
+
+    def __init__(self, cfg: GLM52Config, layer_id: int, compute_topk: bool, moe: bool):
+        super().__init__()
+        self.layer_id, self.compute_topk, self.recompute = layer_id, compute_topk, cfg.recompute
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = MLA(cfg, compute_topk)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.fp8)
+
+    def forward(self, x: Tensor, positions: Tensor, starts: Tensor, ends: Tensor,
+                topk_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if not self.compute_topk and topk_ids is None:
+            raise ValueError(f"DecoderLayer {self.layer_id} shares top-k IDs: pass the last full layer's "
+                             f"topk_ids (see GLM52Config.index_topk_freq/index_topk_offset)")
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._body, x, positions, starts, ends, topk_ids, use_reentrant=False)
+        return self._body(x, positions, starts, ends, topk_ids)
+
+    def _body(self, x, positions, starts, ends, topk_ids):
+        h, topk_ids = self.attn(self.attn_norm(x), positions, starts, ends, topk_ids)
+        x = x + h                                                                # [T, hidden]
+        x = x + self.mlp(self.ffn_norm(x))
+        return x, topk_ids
+
+
+def _token_dynamic(layer: nn.Module, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """When the layer was compiled with ``dynamic_tokens``, mark dim 0 (tokens) of its inputs dynamic:
+    one graph serves every packed length, and only the token count is symbolic."""
+    if getattr(layer, "_dynamic_tokens", False):
+        for t in tensors:
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+    return tensors
+
+
+class GLM52ForCausalLM(nn.Module):
+    """``loss = model(input_ids, labels=labels)``: main next-token loss + weighted MTP loss.
+
+    ``input_ids`` is [B, S] (B sequences of length S) or [T] packed with ``cu_seqlens`` (int, [n+1]).
+    ``labels`` has the same shape and is aligned: labels[t] is the token to predict at position t
+    (-100 = ignore). Without labels the logits are returned.
+    """
+
+    def __init__(self, cfg: GLM52Config):
+        super().__init__()
+        from .mtp import MTPLayer
+
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, cfg.is_full_topk_layer(i), cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.mtp_layers))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, MoE):
+                for p in (m.gate, m.w_gate, m.w_up, m.w_down):
+                    nn.init.normal_(p, std=std)
+            elif isinstance(m, (RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(m.weight)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """Every decoder layer, main then MTP."""
+        return [*self.layers, *(m.block for m in self.mtp)]
+
+    def compile_layers(self, backend="inductor", fullgraph: bool = True, dynamic_tokens: bool = False,
+                       **kwargs) -> "GLM52ForCausalLM":
+        """Compile every decoder layer (main and MTP) in place; with recompute each becomes
+        compile(checkpoint(layer)). ``backend`` is anything torch.compile accepts; ``kwargs`` go to
+        torch.compile. ``dynamic_tokens=True`` marks the token dim of the layer inputs dynamic (only
+        that dim: cheaper than ``dynamic=True``, which also makes widths and float attributes symbolic)
+        so that a new sequence length does not recompile; it costs several times the compile time of
+        static shapes on CPU, hence off by default."""
+        for layer in self.decoder_layers():
+            layer._dynamic_tokens = dynamic_tokens
+            layer.compile(backend=backend, fullgraph=fullgraph, **kwargs)
+        return self
+
+    def num_params(self, include_mtp: bool = True) -> int:
+        """Parameter count (shared tensors once; the MTP layer reuses the main embedding and head)."""
+        return sum(p.numel() for n, p in self.named_parameters() if include_mtp or not n.startswith("mtp."))
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        from .mtp import mtp_loss
+
+        ids = input_ids.reshape(-1)
+        T = ids.shape[0]
+        if cu_seqlens is None:
+            B = input_ids.shape[0] if input_ids.dim() == 2 else 1
+            cu_seqlens = torch.arange(B + 1, device=ids.device) * (T // B)
+        positions, starts, ends, seq_end = packed_ranges(cu_seqlens, T)
+        x = self.embed(ids)                                                      # [T, hidden]
+        topk_ids = None
+        for layer in self.layers:
+            x, topk_ids = layer(*_token_dynamic(layer, x, positions, starts, ends, topk_ids))
+        logits = self.head(self.norm(x)).float()                                 # [T, vocab]
+        if labels is None:
+            return logits.view(*input_ids.shape, -1)
+        labels = labels.reshape(-1)
+        loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        if self.mtp:
+            loss = loss + self.cfg.mtp_loss_weight * mtp_loss(
+                self, x, labels, positions, starts, ends, seq_end, topk_ids)
+        return loss
