@@ -63,10 +63,12 @@ def golden_text(obj) -> str:
 def _caller_dir() -> str:
     """Folder of the first caller outside sacpass (the user's test file)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for frame in inspect.stack()[1:]:
-        path = os.path.abspath(frame.filename)
+    frame = inspect.currentframe()
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(here + os.sep):
             return os.path.dirname(path)
+        frame = frame.f_back
     return os.getcwd()  # pragma: no cover
 
 

@@ -13,7 +13,7 @@ from ..report import (GRAPH_INPUT, MIN_CUT, MUST_SAVE, PYTORCH_MUST_SAVE, Report
                       shape_text, tensor_nbytes)
 from ..selectors import module_path_of
 
-__all__ = ["JointNodeInfo", "snapshot_joint", "audit_partition", "build_report"]
+__all__ = ["JointNodeInfo", "snapshot_joint", "audit_partition", "build_report", "saved_despite_recompute"]
 
 _PASS_THROUGH = {  # ops through which a saved tensor still is "the must-save value"
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_to_copy", "aten::convert_element_type",
@@ -61,6 +61,20 @@ def audit_partition(bw: torch.fx.GraphModule, tags: TagResult) -> list[str]:
                 f"{rec.name} ({rec.op}, module {rec.module or '<root>'}, {rec.source or 'unknown source'}; "
                 f"selector {rec.selector}) is computed in the backward graph")
     return violations
+
+
+def saved_despite_recompute(joint_gm: torch.fx.GraphModule, bw: torch.fx.GraphModule, tags: TagResult) -> list[str]:
+    """Nodes a must-recompute selector tagged that the forward saves anyway (read after the min-cut)."""
+    bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+    final = {n.name: n.meta.get("recompute") for n in joint_gm.graph.nodes}
+    out = []
+    for rec in tags.records:
+        if rec.tag != "MUST_RECOMPUTE" or rec.selector.startswith("derived from") or rec.name not in bw_inputs:
+            continue
+        why = ("PyTorch turns a value one checkpoint region passes to a later one into MUST_SAVE"
+               if getattr(final.get(rec.name), "name", None) == "MUST_SAVE" else "the partitioner kept it")
+        out.append(f"{rec.name} ({rec.op}, selector {rec.selector}; {why})")
+    return out
 
 
 def _reason(name: str, joint: dict[str, JointNodeInfo], selector_of: dict[str, str]) -> tuple[str, str]:

@@ -19,7 +19,7 @@ from ..errors import MustSaveViolation, SacpassError, SacpassWarning
 from ..passes.must_save import TagResult, tag_must_save_pass
 from ..policies import Policy
 from ..report import Report
-from .audit import audit_partition, build_report, snapshot_joint
+from .audit import audit_partition, build_report, saved_despite_recompute, snapshot_joint
 
 __all__ = ["PartitionResult", "partition", "SacpassPartitioner"]
 
@@ -72,6 +72,11 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], *, policy: 
         if strict:
             raise MustSaveViolation(msg)
         warnings.warn(msg, SacpassWarning, stacklevel=2)
+    kept = saved_despite_recompute(gm, bw, tags)
+    if kept:
+        warnings.warn("sacpass: must-recompute node(s) saved for backward anyway: " + "; ".join(kept) + ". "
+                      "Move the checkpoint boundary, or drop the recompute selector for this op.",
+                      SacpassWarning, stacklevel=2)
     return fw, bw
 
 
