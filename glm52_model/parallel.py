@@ -1,0 +1,429 @@
+"""Sequence, expert and fully-sharded data parallelism for the GLM-5.2 layers, traceable whole.
+
+Every collective inside a decoder layer is a functional collective (``torch.distributed._functional_
+collectives``), so ``compile(checkpoint(layer))`` with ``fullgraph=True`` keeps the layer one graph with
+the collectives in it, and sacpass partitions that graph like any other.
+
+Layout of ranks (world = dp * sp; ep divides world):
+
+- **SP** groups are ``sp`` consecutive ranks; one group holds one data-parallel block of whole sequences,
+  each rank a contiguous slice of the block's packed tokens. Inside the layer the indexer keys [T, 128]
+  and the absorbed KV latent [T, 576] are all-gathered over the group; each rank scores its own queries
+  against the group's keys with key ranges in block coordinates. The KV gather is differentiable: its
+  backward reduce-scatters (sums) the KV gradient back to the rank that owns the rows.
+- **EP** groups are ``ep`` consecutive ranks; expert ``e`` lives on group rank ``e // (E / ep)``. Tokens
+  are per-rank data in every layout (SP splits them too), so any ``ep`` ranks can form an EP group.
+  Routed assignments travel with ``all_to_all_single`` (autograd) and come back the same way. Two
+  dispatchers, both one graph for any routing (see :class:`ExpertParallelMoE` and docs/distributed.md):
+  ``"padded"`` (static [ep, capacity, hidden] buffers, no host sync) and ``"dynamic"`` (exact split sizes
+  exchanged first, read with ``.tolist()`` as unbacked SymInts: needs ``capture_scalar_outputs``).
+- **FSDP2**: :func:`apply_fsdp` shards every decoder layer and the root over the whole world. Every
+  rank sees distinct tokens, so gradients are summed, not averaged (the loss is already normalised by the
+  global token count).
+
+Gradient bookkeeping without FSDP: parameters are replicated over the world (experts over the ranks that
+hold the same expert shard); :func:`sync_grads` sums their gradients there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import GLM52Config
+from .model import MLA, GLM52ForCausalLM, Indexer, MoE, _token_dynamic, apply_rope, \
+    packed_ranges, rope_cos_sin
+from .mtp import mtp_labels
+
+__all__ = ["ParallelDims", "ParallelGroups", "Shard", "SequenceParallelIndexer", "SequenceParallelMLA",
+           "ExpertParallelMoE", "ParallelCausalLM", "apply_sp", "apply_ep", "apply_fsdp", "compile_layers",
+           "shard_batch", "sync_grads", "expert_slice", "DISPATCHERS"]
+
+DISPATCHERS = ("padded", "dynamic")
+_ROW_ALIGN = 16  # expert rows are padded to a multiple of this
+
+
+# ---------------------------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class ParallelDims:
+    world: int   # number of ranks
+    sp: int = 1  # sequence-parallel degree (ranks sharing one block of sequences)
+    ep: int = 1  # expert-parallel degree (ranks sharing one set of experts)
+    fsdp: bool = False  # fully_shard every decoder layer and the root over the world
+
+    def __post_init__(self) -> None:
+        for name in ("sp", "ep"):
+            v = getattr(self, name)
+            if v < 1 or self.world % v:
+                raise ValueError(f"ParallelDims: --{name} {v} must be >= 1 and divide the world size {self.world}")
+        if self.fsdp and self.ep > 1:
+            raise ValueError("ParallelDims: --fsdp with --ep > 1 is not supported (expert weights need their own "
+                             "FSDP mesh over the ranks that hold the same experts); drop --fsdp or use --ep 1")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel blocks: groups of sp ranks holding different sequences."""
+        return self.world // self.sp
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's process groups, as group names (strings trace cleanly under dynamo)."""
+
+    sp: str | None         # SP group (None when sp == 1)
+    sp_rank: int
+    ep: str | None         # EP group (None when ep == 1)
+    ep_rank: int
+    expert_dp: str | None  # ranks holding the same expert shard (None when world == ep)
+    world: str
+
+    @classmethod
+    def build(cls, dims: ParallelDims) -> "ParallelGroups":
+        """Create the groups (collective: every rank calls it, in the same order)."""
+        rank, world = dist.get_rank(), dims.world
+
+        def consecutive(size: int) -> str | None:
+            if size == 1:
+                return None
+            mine = None
+            for start in range(0, world, size):
+                g = dist.new_group(list(range(start, start + size)))
+                if start <= rank < start + size:
+                    mine = g
+            return mine.group_name
+
+        def strided(stride: int) -> str | None:
+            if world // stride == 1:
+                return None
+            mine = None
+            for first in range(stride):
+                ranks = list(range(first, world, stride))
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = g
+            return mine.group_name
+
+        return cls(sp=consecutive(dims.sp), sp_rank=rank % dims.sp, ep=consecutive(dims.ep),
+                   ep_rank=rank % dims.ep,
+                   expert_dp=strided(dims.ep) if dims.ep > 1 else None, world=dist.group.WORLD.group_name)
+
+
+# ------------------------------------------------------------------------------------------------- SP
+class SequenceParallelIndexer(Indexer):
+    """Indexer over the SP group's keys: local queries, all-gathered keys (no grad: runs under no_grad).
+    ``starts``/``ends`` index the gathered keys (block coordinates)."""
+
+    sp_group: str
+
+    def forward(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, starts: Tensor,
+                ends: Tensor) -> Tensor:
+        T = x.shape[0]
+        q = self._rope(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, Hi, Di]
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)                                   # [T, Di]
+        k = funcol.all_gather_single(k, 0, self.sp_group)                                   # [sp*T, Di]
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5                             # [T, Hi]
+        return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, self.topk, self.head_dim ** -0.5)
+
+
+class SequenceParallelMLA(MLA):
+    """MLA whose sparse attention reads the SP group's KV latent: the [T, kv_lora + rope] latent is
+    all-gathered (autograd: the backward reduce-scatters its gradient). Same math as :class:`MLA`."""
+
+    sp_group: str
+
+    def forward(self, x: Tensor, positions: Tensor, starts: Tensor, ends: Tensor,
+                topk_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        T, H = x.shape[0], self.n_heads
+        q_latent = self.q_norm(self.wq_a(x))                                      # [T, q_lora]
+        q_nope, q_pe = self.wq_b(q_latent).view(T, H, -1).split([self.nope, self.rope], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)       # [T, kv_lora], [T, rope]
+        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=False)                     # [T, H, rope]
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=False)                     # [T, rope]
+        if self.indexer is not None:
+            with torch.no_grad():
+                topk_ids = self.indexer(x, q_latent, cos, sin, starts, ends)     # [T, topk] block IDs
+        w_kv_b = self.wkv_b.weight.view(H, self.nope + self.v_dim, self.kv_lora)
+        q_latent_nope = torch.einsum("thd,hdc->thc", q_nope, w_kv_b[:, :self.nope])
+        q_abs = torch.cat([q_latent_nope, q_pe], dim=-1)                         # [T, H, kv_lora + rope]
+        kv_abs = torch.cat([self.kv_norm(kv), k_pe], dim=-1)                     # [T, kv_lora + rope]
+        kv_abs = funcol.all_gather_single(kv_abs, 0, self.sp_group)             # [sp*T, kv_lora + rope]
+        o_latent, _ = torch.ops.glm52.sparse_mla(q_abs, kv_abs, topk_ids, self.softmax_scale, self.kv_lora)
+        o = torch.einsum("thc,hvc->thv", o_latent, w_kv_b[:, self.nope:])       # [T, H, v]
+        return self.wo(o.flatten(1)), topk_ids
+
+
+def apply_sp(model: GLM52ForCausalLM, group: str) -> None:
+    """Make every decoder layer's attention sequence-parallel over ``group`` (in place; parameters and
+    state-dict keys unchanged)."""
+    for layer in model.decoder_layers():
+        layer.attn.__class__ = SequenceParallelMLA
+        layer.attn.sp_group = group
+        if layer.attn.indexer is not None:
+            layer.attn.indexer.__class__ = SequenceParallelIndexer
+            layer.attn.indexer.sp_group = group
+
+
+# ------------------------------------------------------------------------------------------------- EP
+def expert_slice(num_experts: int, ep: int, ep_rank: int) -> slice:
+    n = num_experts // ep
+    return slice(ep_rank * n, (ep_rank + 1) * n)
+
+
+class ExpertParallelMoE(MoE):
+    """MoE whose routed experts are split over an EP group; the router and shared expert are replicated.
+
+    Per rank: route the local tokens (top-k over all E experts), sort the T*k assignments by expert (so by
+    destination rank), send each to the rank owning its expert, run the local experts with grouped GEMMs
+    over the received rows, send the results back, weight and sum them per token.
+
+    ``dispatch="padded"``: every rank sends a [ep, C, hidden] buffer (C = capacity rows per destination)
+    with static sizes, so the all-to-alls have fixed splits [C] * ep and nothing syncs with the host.
+    C = T*k (the default, ``capacity_factor=None``) is dropless: no routing can overflow. With a capacity
+    factor f, C = ceil(f * T * k / ep); assignments past C for one destination (in expert order, then token
+    order) are dropped: they contribute zero to the token's output (the token still gets its shared expert
+    and its other assignments), and their routing weights get no gradient. Padding rows are zeros and are
+    grouped with the last local expert: zero in, zero out, zero weight gradient.
+
+    ``dispatch="dynamic"``: the per-destination counts are exchanged first (a [ep] all-to-all), read with
+    ``.tolist()`` and used as exact split sizes; dynamo turns them into unbacked SymInts (one graph for any
+    routing) when ``torch._dynamo.config.capture_scalar_outputs`` is on. Never drops, no padding, but two
+    host syncs per dispatch (and again when the backward recomputes the layer).
+    """
+
+    ep_group: str
+    ep_size: int
+    n_local: int
+    dispatch: str
+    capacity_factor: float | None
+
+    def forward(self, x: Tensor) -> Tensor:
+        T, k = x.shape[0], self.top_k
+        scores = F.linear(x.float(), self.gate.float()).sigmoid()                 # [T, E]
+        expert = torch.topk(scores + self.e_score_correction_bias, k, dim=-1).indices  # [T, k]
+        weight = scores.gather(1, expert)
+        weight = weight / weight.sum(-1, keepdim=True) * self.route_scale        # [T, k]
+        flat = expert.flatten()                                                  # [A = T*k]
+        order = torch.argsort(flat, stable=True)                                 # assignments by expert
+        fe = flat[order]                                                         # sorted expert IDs
+        dst = fe // self.n_local                                                 # destination group rank
+        token = order // k                                                       # [A] source token
+        local_e = fe - dst * self.n_local                                        # expert on the destination
+        send_counts = torch.zeros(self.ep_size, dtype=torch.long, device=x.device).scatter_add_(
+            0, dst, torch.ones_like(dst))                                        # [ep]
+        if self.dispatch == "padded":
+            y = self._padded(x, token, dst, local_e, send_counts)               # [A, h], sorted order
+        else:
+            y = self._dynamic(x[token], local_e, send_counts)
+        y = y * weight.flatten()[order, None].to(y.dtype)
+        routed = x.new_zeros(x.shape).index_add(0, token, y)                    # [T, h]
+        return routed + self.shared_experts(x)
+
+    def _experts(self, xs: Tensor, e: Tensor) -> Tensor:
+        """Run the local experts on rows ``xs`` [R, h] whose local expert is ``e`` [R] (padding rows carry
+        ``n_local`` and are zeros); returns the rows in the order given. Rows are padded to a multiple of
+        16 (``glm52::grouped_mm``'s backward on CPU needs 16-byte strides over the row dim)."""
+        El, R = self.n_local, xs.shape[0]
+        pad = (-R) % _ROW_ALIGN
+        xs = torch.cat([xs, xs.new_zeros(pad, xs.shape[1])])
+        e = torch.cat([e, e.new_full((pad,), El)])
+        order = torch.argsort(e, stable=True)
+        counts = torch.zeros(El + 1, dtype=torch.long, device=xs.device).scatter_add_(0, e, torch.ones_like(e))
+        # padding rows (sorted last) join the last expert's group: zeros in, zeros out, no weight grad
+        counts = torch.cat([counts[:El - 1], counts[El - 1:El] + counts[El:]])
+        offs = counts[:El].cumsum(0).to(torch.int32)                            # [El] group ends
+        xs = xs[order]
+        hs = F.silu(torch.ops.glm52.grouped_mm(xs, self.w_gate, offs)) * torch.ops.glm52.grouped_mm(
+            xs, self.w_up, offs)
+        ys = torch.ops.glm52.grouped_mm(hs, self.w_down, offs)
+        return torch.empty_like(ys).index_copy(0, order, ys)[:R]                # back to arrival order
+
+    def _capacity(self, A) -> int:
+        if self.capacity_factor is None:
+            return A
+        pct = int(round(self.capacity_factor * 100))
+        return torch.sym_max(1, torch.sym_min(A, (A * pct + self.ep_size * 100 - 1) // (self.ep_size * 100)))
+
+    def _padded(self, x: Tensor, token: Tensor, dst: Tensor, local_e: Tensor, send_counts: Tensor) -> Tensor:
+        ep, h, A = self.ep_size, x.shape[1], token.shape[0]
+        C = self._capacity(A)
+        first = send_counts.cumsum(0) - send_counts                              # [ep] first row per dst
+        pos = torch.arange(A, device=x.device) - first[dst]                      # row within its dst
+        slot = torch.where(pos < C, dst * C + pos, ep * C)                       # ep*C = dropped
+        send = x.new_zeros(ep * C + 1, h).index_copy(0, slot, x[token])[:ep * C]  # [ep*C, h]
+        send_e = torch.full((ep * C + 1,), self.n_local, dtype=torch.long, device=x.device).index_copy(
+            0, slot, local_e)[:ep * C]
+        splits = [C] * ep
+        recv = funcol.all_to_all_single(send, splits, splits, self.ep_group)     # [ep*C, h]
+        recv_e = funcol.all_to_all_single(send_e, splits, splits, self.ep_group)
+        out = self._experts(recv, recv_e)
+        back = funcol.all_to_all_single(out, splits, splits, self.ep_group)      # [ep*C, h] slot order
+        return torch.cat([back, back.new_zeros(1, h)])[slot]                     # [A, h], dropped -> 0
+
+    def _dynamic(self, xs: Tensor, local_e: Tensor, send_counts: Tensor) -> Tensor:
+        A = xs.shape[0]
+        recv_counts = funcol.all_to_all_single(send_counts, None, None, self.ep_group)  # [ep]
+        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
+        for s in (*in_splits, *out_splits):
+            torch._check(s >= 0)
+        torch._check(sum(in_splits) == A)
+        recv = funcol.all_to_all_single(xs, out_splits, in_splits, self.ep_group)       # [R, h]
+        recv_e = funcol.all_to_all_single(local_e, out_splits, in_splits, self.ep_group)
+        out = self._experts(recv, recv_e)
+        return funcol.all_to_all_single(out, in_splits, out_splits, self.ep_group)      # [A, h]
+
+
+def apply_ep(model: GLM52ForCausalLM, group: str, ep_size: int, ep_rank: int, dispatch: str = "padded",
+             capacity_factor: float | None = None) -> None:
+    """Keep only this rank's experts in every MoE layer and dispatch over ``group`` (in place)."""
+    if dispatch not in DISPATCHERS:
+        raise ValueError(f"apply_ep: dispatch={dispatch!r} is not one of {DISPATCHERS}")
+    E = model.cfg.num_experts
+    if E % ep_size:
+        raise ValueError(f"apply_ep: num_experts={E} must be divisible by --ep {ep_size}")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"apply_ep: capacity_factor={capacity_factor} must be positive (None = dropless)")
+    sl = expert_slice(E, ep_size, ep_rank)
+    for layer in model.decoder_layers():
+        moe = layer.mlp
+        if not isinstance(moe, MoE):
+            continue
+        moe.__class__ = ExpertParallelMoE
+        for name in ("w_gate", "w_up", "w_down"):
+            setattr(moe, name, nn.Parameter(getattr(moe, name).detach()[sl].clone()))
+        moe.ep_group, moe.ep_size, moe.n_local = group, ep_size, E // ep_size
+        moe.dispatch, moe.capacity_factor = dispatch, capacity_factor
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2
+def apply_fsdp(wrapper: "ParallelCausalLM", reshard_after_forward: bool = True) -> None:
+    """fully_shard every decoder layer, then the root (embedding, head, norms, MTP projections), over the
+    world. Gradients are summed across ranks (divide factor 1): the loss is normalised globally."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in wrapper.model.decoder_layers():
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(wrapper, reshard_after_forward=reshard_after_forward)
+    for m in wrapper.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+# -------------------------------------------------------------------------------------------- compile
+def compile_layers(model: GLM52ForCausalLM, backend, fullgraph: bool = True, dynamic_tokens: bool = True) -> None:
+    """Compile each decoder layer's ``forward`` (so compile(checkpoint(body))), leaving the module's
+    ``__call__`` and its hooks (FSDP2's all-gather / reshard) eager around the compiled region."""
+    for layer in model.decoder_layers():
+        layer._dynamic_tokens = dynamic_tokens
+        layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=fullgraph)
+
+
+# ---------------------------------------------------------------------------------------------- batch
+@dataclass(frozen=True)
+class Shard:
+    """One rank's tokens of a global batch and what the loss needs to be normalised globally."""
+
+    ids: Tensor          # [T] int64 local tokens
+    labels: Tensor       # [T] next-token labels (-100 = ignore)
+    mtp_targets: Tensor  # [T] MTP targets (token t+2), computed on whole sequences
+    positions: Tensor    # [T] position within the sequence (RoPE)
+    starts: Tensor       # [T] int32 key range start, in SP-block coordinates
+    ends: Tensor         # [T] int32 key range end (causal), in SP-block coordinates
+    n_labels: int        # valid labels in the whole global batch
+    n_mtp: int           # valid MTP targets in the whole global batch
+
+
+def shard_batch(ids: Tensor, labels: Tensor, dims: ParallelDims, rank: int) -> Shard:
+    """Split a global batch [B, S] (every rank holds the same one): the dp block ``rank // sp`` gets
+    B / dp whole sequences, packed; SP rank ``rank % sp`` gets a contiguous 1/sp of its packed tokens.
+    MTP targets are built on whole sequences before slicing (they look one token ahead)."""
+    B, S = ids.shape
+    if B % dims.dp:
+        raise ValueError(f"shard_batch: batch {B} must be divisible by the data-parallel degree {dims.dp}")
+    Tb = (B // dims.dp) * S
+    if Tb % dims.sp:
+        raise ValueError(f"shard_batch: {Tb} tokens per block must be divisible by --sp {dims.sp}")
+    n_labels = int((labels != -100).sum())
+    cu = torch.arange(B + 1) * S
+    _, _, _, seq_end = packed_ranges(cu, B * S)
+    all_mtp = mtp_labels(labels.reshape(-1), seq_end)
+    d, s = divmod(rank, dims.sp)
+    blk = slice(d * Tb, (d + 1) * Tb)
+    positions, starts, ends, _ = packed_ranges(torch.arange(B // dims.dp + 1) * S, Tb)
+    Tl = Tb // dims.sp
+    loc = slice(s * Tl, (s + 1) * Tl)
+    take = lambda t: t[blk][loc].contiguous()  # noqa: E731
+    return Shard(ids=take(ids.reshape(-1)), labels=take(labels.reshape(-1)), mtp_targets=take(all_mtp),
+                 positions=positions[loc], starts=starts[loc], ends=ends[loc], n_labels=n_labels,
+                 n_mtp=int((all_mtp != -100).sum()))
+
+
+# ----------------------------------------------------------------------------------------------- loss
+class ParallelCausalLM(nn.Module):
+    """Wraps a (parallelised) :class:`GLM52ForCausalLM`; ``forward(shard)`` returns this rank's share of
+    the global loss (sums of token losses over global counts), so the shares add up to the single-rank
+    loss of the global batch and summed gradients equal its gradients. Being a module, it is FSDP2's root."""
+
+    def __init__(self, model: GLM52ForCausalLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, b: Shard) -> Tensor:
+        m = self.model
+        x = m.embed(b.ids)                                                       # [T, hidden]
+        topk_ids = None
+        for layer in m.layers:
+            x, topk_ids = layer(*_token_dynamic(layer, x, b.positions, b.starts, b.ends, topk_ids))
+        logits = m.head(m.norm(x)).float()
+        loss = F.cross_entropy(logits, b.labels, ignore_index=-100, reduction="sum") / b.n_labels
+        if m.mtp:
+            next_embeds = m.embed(b.labels.clamp_min(0))                         # token t+1 at position t
+            mtp = 0.0
+            for layer in m.mtp:
+                h = layer(x, next_embeds, b.positions, b.starts, b.ends, topk_ids)
+                mtp = mtp + F.cross_entropy(m.head(h).float(), b.mtp_targets, ignore_index=-100,
+                                            reduction="sum") / b.n_mtp
+            loss = loss + m.cfg.mtp_loss_weight * mtp / len(m.mtp)
+        return loss
+
+
+def _is_expert_param(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down") and ".mlp." in name
+
+
+@torch.no_grad()
+def sync_grads(model: nn.Module, groups: ParallelGroups) -> None:
+    """Sum gradients of replicated parameters (without FSDP): experts over ``expert_dp``, the rest over
+    the world. One flat all-reduce per group."""
+    buckets: dict[str, list[Tensor]] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = groups.expert_dp if (_is_expert_param(name) and groups.ep is not None) else groups.world
+        if g is not None:
+            buckets.setdefault(g, []).append(p.grad)
+    for g, grads in buckets.items():
+        flat = torch.cat([t.reshape(-1) for t in grads])
+        dist.all_reduce(flat, group=_pg(g))
+        off = 0
+        for t in grads:
+            t.copy_(flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
+
+
+def _pg(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+def config_for(preset: str, **overrides) -> GLM52Config:
+    presets = {"tiny": GLM52Config.tiny, "bench": GLM52Config.bench, "glm52": GLM52Config.glm52}
+    if preset not in presets:
+        raise ValueError(f"unknown preset {preset!r}; use one of {sorted(presets)}")
+    return presets[preset](**overrides)
+
