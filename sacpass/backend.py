@@ -27,7 +27,7 @@ from .report import Report
 
 __all__ = ["Backend", "backend", "named_backend", "sacpass_backend", "VALID_OPTIONS", "INNERS"]
 
-VALID_OPTIONS = ("save", "recompute", "inner", "strict", "dump_dir", "use_registered")
+VALID_OPTIONS = ("save", "recompute", "inner", "strict", "dump_dir", "use_registered", "save_collectives")
 INNERS = ("inductor", "aot_eager")
 
 
@@ -65,14 +65,16 @@ class Backend:
     """A torch.compile backend that partitions with sacpass. Reports land in ``self.reports``."""
 
     def __init__(self, save=None, recompute=None, inner: str = "inductor", strict: bool = True,
-                 dump_dir: str | os.PathLike | None = None, use_registered: bool = True):
+                 dump_dir: str | os.PathLike | None = None, use_registered: bool = True,
+                 save_collectives: bool = True):
         if inner not in INNERS:
             raise BackendOptionError(
                 f"sacpass: inner={inner!r} is not supported; use one of {', '.join(map(repr, INNERS))}.")
         if not isinstance(strict, bool):
             raise BackendOptionError(f"sacpass: strict={strict!r} must be True or False.")
         self.inner, self.strict = inner, strict
-        self.policy = Policy.build(save, recompute, use_registered=use_registered)
+        self.policy = Policy.build(save, recompute, use_registered=use_registered,
+                                   save_collectives=save_collectives)
         dump_dir = dump_dir if dump_dir is not None else os.environ.get("SACPASS_DUMP_DIR") or None
         self.dumper = Dumper(dump_dir) if dump_dir else None
         self.reports: list[Report] = []
@@ -181,7 +183,8 @@ class Backend:
 
 
 def backend(save=None, recompute=None, inner: str = "inductor", strict: bool = True,
-            dump_dir: str | os.PathLike | None = None, use_registered: bool = True) -> Backend:
+            dump_dir: str | os.PathLike | None = None, use_registered: bool = True,
+            save_collectives: bool = True) -> Backend:
     """Build a sacpass backend for ``torch.compile(model, backend=...)``.
 
     save:      selectors whose outputs are MUST_SAVE (besides those declared with register_must_save)
@@ -190,9 +193,11 @@ def backend(save=None, recompute=None, inner: str = "inductor", strict: bool = T
     strict:    raise (True) or warn (False) on an unmatched explicit selector or a must-save violation
     dump_dir:  write per-graph dumps there (also SACPASS_DUMP_DIR)
     use_registered: include the selectors declared with register_must_save (default True)
+    save_collectives: keep functional collectives must-save inside checkpoints too (PyTorch's rule
+                   outside them); a recompute selector matching a collective wins
     """
     return Backend(save=save, recompute=recompute, inner=inner, strict=strict, dump_dir=dump_dir,
-                   use_registered=use_registered)
+                   use_registered=use_registered, save_collectives=save_collectives)
 
 
 _NAMED: dict[str, Backend] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .selectors import Selector, SelectorLike, as_selector, as_selectors
+from .selectors import CollectiveSelector, Selector, SelectorLike, as_selector, as_selectors
 
 __all__ = ["Policy", "register_must_save", "registered_must_save", "registered_policy", "clear_registry"]
 
@@ -41,13 +41,14 @@ class Policy:
     save: tuple[Selector, ...] = ()  # explicit must-save selectors (strict: must match)
     recompute: tuple[Selector, ...] = ()  # explicit must-recompute selectors (strict: must match)
     registered: tuple[Selector, ...] = field(default=())  # from register_must_save (apply where present)
+    defaults: tuple[Selector, ...] = field(default=())  # saved where present, unless a recompute selector matches
 
     @classmethod
     def build(cls, save: SelectorLike | list | None = None, recompute: SelectorLike | list | None = None,
-              use_registered: bool = True) -> "Policy":
+              use_registered: bool = True, save_collectives: bool = True) -> "Policy":
         save_t, rec_t = as_selectors(save), as_selectors(recompute)
         reg = tuple(s for s in registered_must_save() if s not in save_t) if use_registered else ()
-        return cls(save_t, rec_t, reg)
+        return cls(save_t, rec_t, reg, (CollectiveSelector(),) if save_collectives else ())
 
     def all_save(self) -> tuple[Selector, ...]:
         return self.save + self.registered
@@ -55,7 +56,8 @@ class Policy:
     def cache_key(self) -> str | None:
         """A stable digest of the policy, or None when a predicate has no stable key (caches bypass)."""
         parts = []
-        for kind, sels in (("save", self.save), ("recompute", self.recompute), ("registered", self.registered)):
+        for kind, sels in (("save", self.save), ("recompute", self.recompute), ("registered", self.registered),
+                           ("defaults", self.defaults)):
             for s in sels:
                 key = getattr(s, "cache_key", "") if hasattr(s, "cache_key") else ""
                 if hasattr(s, "cache_key") and s.cache_key is None:
@@ -70,4 +72,5 @@ class Policy:
     def __str__(self) -> str:
         def j(xs):
             return "[" + ", ".join(str(x) for x in xs) + "]"
-        return f"Policy(save={j(self.save)}, recompute={j(self.recompute)}, registered={j(self.registered)})"
+        text = f"Policy(save={j(self.save)}, recompute={j(self.recompute)}, registered={j(self.registered)}"
+        return text + (f", defaults={j(self.defaults)})" if self.defaults else ")")

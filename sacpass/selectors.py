@@ -31,7 +31,7 @@ import torch.fx
 from .errors import SelectorError, UnknownOpError
 
 __all__ = [
-    "OpSelector", "ModuleOpSelector", "PredicateSelector", "Selector", "SelectorLike",
+    "OpSelector", "ModuleOpSelector", "PredicateSelector", "CollectiveSelector", "Selector", "SelectorLike",
     "as_selector", "as_selectors", "node_op", "module_path_of", "module_stack_of",
 ]
 
@@ -274,7 +274,24 @@ class PredicateSelector:
         return f"predicate:{self.name}"
 
 
-Selector = Union[OpSelector, ModuleOpSelector, PredicateSelector]
+@dataclass(frozen=True)
+class CollectiveSelector:
+    """Every functional collective (``_c10d_functional`` ops other than ``wait_tensor``).
+
+    PyTorch force-saves collectives unless they are tagged for recompute, and a checkpoint region tags
+    everything; this selector restores "a collective is never replayed in backward" inside checkpoints.
+    """
+
+    def __call__(self, node: torch.fx.Node) -> bool:
+        op = node_op(node)
+        return op is not None and op.namespace == "_c10d_functional" and \
+            op._schema.name != "_c10d_functional::wait_tensor"
+
+    def __str__(self) -> str:
+        return "collectives(_c10d_functional)"
+
+
+Selector = Union[OpSelector, ModuleOpSelector, PredicateSelector, CollectiveSelector]
 SelectorLike = Union[Selector, str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, Callable[[torch.fx.Node], bool]]
 
 
@@ -303,7 +320,7 @@ def _from_string(spelled: str) -> Selector:
 
 def as_selector(x: SelectorLike) -> Selector:
     """Turn anything accepted as a selector into a hashable selector object."""
-    if isinstance(x, (OpSelector, ModuleOpSelector, PredicateSelector)):
+    if isinstance(x, (OpSelector, ModuleOpSelector, PredicateSelector, CollectiveSelector)):
         return x
     if isinstance(x, str):
         return _from_string(x)

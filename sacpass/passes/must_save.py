@@ -80,9 +80,14 @@ def source_of(node: torch.fx.Node) -> str:
 
 
 def _tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The backward part of the joint: nodes computed from tangents, and nodes AOTAutograd traced while
+    running the backward (``partitioner_tag == "is_backward"``), such as ``ids.long()`` inside a custom op's
+    backward formula, which reads only forward values."""
     dependent: set[torch.fx.Node] = set()
     for node in graph.nodes:
         if node.op == "placeholder" and node.name.startswith("tangents"):
+            dependent.add(node)
+        elif node.meta.get("partitioner_tag") == "is_backward":
             dependent.add(node)
         elif any(inp in dependent for inp in node.all_input_nodes):
             dependent.add(node)
@@ -178,6 +183,8 @@ def tag_must_save_pass(gm: torch.fx.GraphModule, policy: Policy, *, strict: bool
             continue
         save_hit = next((s for s in save_sels if s(node)), None)
         rec_hit = next((s for s in policy.recompute if s(node)), None)
+        if save_hit is None and rec_hit is None:  # a default (collectives) yields to any recompute selector
+            save_hit = next((s for s in policy.defaults if s(node)), None)
         if save_hit is None and rec_hit is None:
             continue
         if node in backward:
