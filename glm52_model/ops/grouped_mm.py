@@ -41,6 +41,13 @@ def grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tens
     """(dx = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]); experts with no rows get dw = 0."""
     dy = dy.contiguous()
     dx = torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs)
+    # x.T is [K, R]: its row stride must be a multiple of 16 bytes, so pad R with zero rows (rows past
+    # offs[-1] belong to no expert and add nothing)
+    align = max(1, 16 // x.element_size())
+    pad = (-x.shape[0]) % align
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        dy = torch.nn.functional.pad(dy, (0, 0, 0, pad))
     dw = torch._grouped_mm(x.t().contiguous(), dy, offs=offs)
     return dx, dw
 

@@ -31,3 +31,15 @@ def test_opcheck():
     x, w, offs = _inputs()
     torch.library.opcheck(OP, (x, w, offs))
     torch.library.opcheck(torch.ops.glm52.grouped_mm_bwd, (torch.randn(40, 24), x.detach(), w.detach(), offs))
+
+
+def test_backward_rows_not_multiple_of_four():
+    """fp32 rows R = 7: the weight-gradient GEMM reads x.T, whose stride needs padding (was an error)."""
+    x = torch.randn(7, 16, requires_grad=True)
+    w = torch.randn(3, 16, 8, requires_grad=True)
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    torch.ops.glm52.grouped_mm(x, w, offs).square().sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    ref_grouped_mm(x2, w2, offs).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
