@@ -27,7 +27,7 @@ def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """y[g] = x[g] @ w[e] for each expert's contiguous row group."""
     _check(x, w, offs)
-    return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs)
+    return _zero_tail(torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs), offs)
 
 
 @grouped_mm.register_fake
@@ -40,16 +40,41 @@ def _(x, w, offs):
 def grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     """(dx = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]); experts with no rows get dw = 0."""
     dy = dy.contiguous()
-    dx = torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs)
-    # x.T is [K, R]: its row stride must be a multiple of 16 bytes, so pad R with zero rows (rows past
-    # offs[-1] belong to no expert and add nothing)
-    align = max(1, 16 // x.element_size())
-    pad = (-x.shape[0]) % align
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        dy = torch.nn.functional.pad(dy, (0, 0, 0, pad))
-    dw = torch._grouped_mm(x.t().contiguous(), dy, offs=offs)
+    dx = _zero_tail(torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs), offs)
+    # dw reads x.T [K, R] grouped along its columns; _grouped_mm needs every group (and the row stride)
+    # to span a multiple of 16 bytes, so each expert's rows are copied into a zero-padded slot
+    xp, dyp, poffs = _align_groups(x, dy, offs, max(1, 16 // x.element_size()))
+    dw = torch._grouped_mm(xp.t().contiguous(), dyp, offs=poffs)
     return dx, dw
+
+
+def _zero_tail(y: Tensor, offs: Tensor) -> Tensor:
+    """Rows past offs[-1] belong to no expert: _grouped_mm leaves them unwritten, the op defines them 0."""
+    if offs.numel():
+        y[int(offs[-1]):] = 0
+    return y
+
+
+def _align_groups(x: Tensor, dy: Tensor, offs: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Copy each expert's rows of x and dy into slots padded to a multiple of ``align`` rows.
+
+    Runs inside the kernel (eager), so reading the padded total is fine. Rows past offs[-1] are dropped:
+    they belong to no expert.
+    """
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()                 # [E]
+    padded = (counts + align - 1) // align * align
+    poffs = torch.cumsum(padded, 0)
+    rows = torch.arange(x.shape[0], device=x.device)
+    group = torch.searchsorted(offs.long(), rows, right=True)                   # expert of each row
+    keep = group < offs.shape[0]
+    group = group[keep]
+    dest = (poffs - padded)[group] + rows[keep] - (offs.long() - counts)[group]
+    total = int(poffs[-1]) if offs.numel() else 0
+    xp = x.new_zeros((total, x.shape[1]))
+    dyp = dy.new_zeros((total, dy.shape[1]))
+    xp[dest] = x[keep]
+    dyp[dest] = dy[keep]
+    return xp, dyp, poffs.to(torch.int32)
 
 
 @grouped_mm_bwd.register_fake

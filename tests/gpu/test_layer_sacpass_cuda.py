@@ -1,0 +1,103 @@
+"""A bench-like MoE decoder layer (full top-k, FP8, the TileLang kernels when TileLang imports) compiled on
+CUDA with Inductor under the model's own checkpoint: with sacpass the backward runs the DSA top-k 0 times,
+with plain Inductor (control) and in eager it runs it once; loss and gradients match eager.
+
+Routing: 4 experts, top-2, so expert row groups are uneven (``glm52::grouped_mm_bwd`` pads each group to
+16 bytes for the weight-gradient GEMM; an uneven group was an ATen assertion on CUDA before that).
+
+Tolerances: bf16 activations and FP8 GEMMs, where Inductor's fusions round intermediates differently from
+eager before they are quantised, so the comparison is by cosine >= 0.998 and relative L2 error <= 5e-2 (measured on the H200 with
+uneven top-2 routing: worst grad cosine 0.99895, relative error 4.6e-2, wq_a under sacpass)
+(the FP8 helpers' measure); the loss within 1e-2 relative."""
+import copy
+
+import pytest
+import torch
+
+import sacpass
+from glm52_model import GLM52Config
+from glm52_model.model import DecoderLayer, MoE, RMSNorm, packed_ranges
+from glm52_model.ops.dsa_topk import topk_calls
+from helpers import assert_similar
+
+
+
+def _layer(cfg: GLM52Config, device: str) -> DecoderLayer:
+    torch.manual_seed(0)
+    with torch.device(device):
+        layer = DecoderLayer(cfg, 0, compute_topk=True, moe=True)
+    with torch.no_grad():
+        for m in layer.modules():
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.normal_(m.weight, std=cfg.init_std)
+            elif isinstance(m, MoE):
+                for p in (m.gate, m.w_gate, m.w_up, m.w_down):
+                    torch.nn.init.normal_(p, std=cfg.init_std)
+            elif isinstance(m, (RMSNorm, torch.nn.LayerNorm)):
+                torch.nn.init.ones_(m.weight)
+    return layer.to(torch.bfloat16)
+
+
+def _step(fn, layer, x0, positions, starts, ends):
+    """fwd + bwd; (loss, top-k runs in forward, in backward, grads by name incl. 'x')."""
+    layer.zero_grad(set_to_none=True)
+    x = x0.detach().requires_grad_()
+    c0 = topk_calls().count
+    out, ids = fn(x, positions, starts, ends)
+    loss = out.float().square().mean()
+    c1 = topk_calls().count
+    loss.backward()
+    c2 = topk_calls().count
+    grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None}
+    grads["x"] = x.grad.float()
+    return loss.detach().float(), c1 - c0, c2 - c1, grads
+
+
+def check_layer(device: str = "cuda", inner: str = "inductor") -> None:
+    """The test body; ``check_layer("cpu", "aot_eager")`` exercises the same logic on the CPU."""
+    # bench() widths where the kernels need them (576/512 latent, 32 x 128 indexer), the rest shrunk
+    cfg = GLM52Config.bench(hidden_size=1024, num_heads=16, q_lora_rank=512, qk_nope_head_dim=128,
+                            v_head_dim=128, index_topk=256, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=256, fp8=True, recompute=True)
+    base = _layer(cfg, device)
+    S = 1024
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x0 = torch.randn(S, cfg.hidden_size, generator=g).to(device, torch.bfloat16)
+    positions, starts, ends, _ = packed_ranges(torch.tensor([0, 640, S], device=device), S)   # 2 packed docs
+
+    eager = copy.deepcopy(base)
+    l_e, f_e, b_e, g_e = _step(eager, eager, x0, positions, starts, ends)
+    assert (f_e, b_e) == (1, 1), "eager checkpoint replays the top-k once in backward"
+
+    torch._dynamo.reset()
+    control = copy.deepcopy(base)
+    control_fn = torch.compile(control, backend=inner, fullgraph=True)
+    l_c, f_c, b_c, g_c = _step(control_fn, control, x0, positions, starts, ends)
+    assert f_c == 1 and b_c >= 1, f"control: top-k runs fwd {f_c}, bwd {b_c} (expected 1, >= 1)"
+
+    be = sacpass.backend(inner=inner)
+    layer = copy.deepcopy(base)
+    fn = torch.compile(layer, backend=be, fullgraph=True)
+    for _ in range(2):                                   # the second step runs the cached compiled graphs
+        l_s, f_s, b_s, g_s = _step(fn, layer, x0, positions, starts, ends)
+        assert (f_s, b_s) == (1, 0), f"sacpass: top-k runs fwd {f_s}, bwd {b_s} (expected 1, 0)"
+
+    must = [s for r in be.reports for s in r.saved if s.reason == "must-save"]
+    assert must and all(s.dtype == "int32" for s in must), must
+    assert sum(s.bytes for s in must) == S * cfg.index_topk * 4          # the int32 IDs, nothing wider
+    assert not any(r.violations for r in be.reports)
+
+    for name, loss in (("control", l_c), ("sacpass", l_s)):
+        assert torch.allclose(loss, l_e, rtol=1e-2), f"{name} loss {loss.item()} vs eager {l_e.item()}"
+    assert set(g_s) == set(g_e) == set(g_c)
+    for n in g_e:
+        assert_similar(g_s[n], g_e[n], min_cos=0.998, max_rel=5e-2, what=f"sacpass grad {n}")
+        assert_similar(g_c[n], g_e[n], min_cos=0.998, max_rel=5e-2, what=f"control grad {n}")
+
+
+def test_compiled_layer_sacpass_inductor_cuda():
+    check_layer("cuda", "inductor")
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
