@@ -34,7 +34,7 @@ class SavedTensor:
     op: str  # producing op ("ns::op.overload"), or "input" for a graph input
     shape: tuple[str, ...]  # sizes as text; symbolic where dynamic ("s0", "2*s0")
     dtype: str  # "int32", "bfloat16", ...
-    bytes: int  # storage bytes of this tensor, symbolic sizes evaluated at their hints
+    bytes: int  # storage bytes of this tensor, symbolic sizes at their hints (unbacked: Inductor's fallback)
     module: str  # module path of the producer, relative to the compiled root ("" for the root)
     source: str  # "file.py:line" of the producing user code ("" when unknown)
     reason: str  # must-save | must-save (pytorch) | min-cut | graph input
@@ -176,17 +176,20 @@ def tensor_nbytes(val: Any) -> int:
 
 
 def size_hint(s: Any) -> int:
+    """A size at its hint; a data-dependent (unbacked) size has none and counts at Inductor's
+    ``unbacked_symint_fallback`` (8192 by default), as Inductor's own estimates do."""
     if isinstance(s, int):
         return s
     node = getattr(s, "node", None)
-    if node is not None:
-        hint = getattr(node, "hint", None)
-        if hint is not None:
-            return int(hint)
-        shape_env = getattr(node, "shape_env", None)
-        if shape_env is not None:
-            return int(shape_env.size_hint(node.expr))
-    return int(s)
+    if node is None:
+        return int(s)
+    hint = getattr(node, "hint", None)
+    if hint is None and getattr(node, "shape_env", None) is not None:
+        hint = node.shape_env.size_hint(node.expr, allow_none=True)
+    if hint is None:
+        from torch._inductor import config as inductor_config
+        return int(inductor_config.unbacked_symint_fallback)
+    return int(hint)
 
 
 def shape_text(val: Any) -> tuple[str, ...]:
