@@ -1,6 +1,7 @@
 """Audit a partition and describe it: which must-save nodes leaked into the backward, what is saved, why."""
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from ..report import (GRAPH_INPUT, MIN_CUT, MUST_SAVE, PYTORCH_MUST_SAVE, Report
                       shape_text, tensor_nbytes)
 from ..selectors import module_path_of
 
-__all__ = ["JointNodeInfo", "snapshot_joint", "audit_partition", "build_report", "saved_despite_recompute"]
+__all__ = ["JointNodeInfo", "snapshot_joint", "refresh_tags", "audit_partition", "build_report", "saved_despite_recompute"]
 
 _PASS_THROUGH = {  # ops through which a saved tensor still is "the must-save value"
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_to_copy", "aten::convert_element_type",
@@ -45,6 +46,13 @@ def snapshot_joint(gm: torch.fx.GraphModule) -> dict[str, JointNodeInfo]:
             module=module_path_of(node), source=source_of(node),
             recompute=getattr(tag, "name", None), parent=parent)
     return out
+
+
+def refresh_tags(joint: dict[str, JointNodeInfo], gm: torch.fx.GraphModule) -> dict[str, JointNodeInfo]:
+    """The snapshot with each node's tag as the min-cut left it (it adds MUST_SAVE at region boundaries)."""
+    final = {n.name: getattr(n.meta.get("recompute"), "name", None) for n in gm.graph.nodes}
+    return {name: dataclasses.replace(info, recompute=final.get(name, info.recompute))
+            for name, info in joint.items()}
 
 
 def _call_names(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:

@@ -19,7 +19,7 @@ from ..errors import MustSaveViolation, SacpassError, SacpassWarning
 from ..passes.must_save import TagResult, tag_must_save_pass
 from ..policies import Policy
 from ..report import Report
-from .audit import audit_partition, build_report, saved_despite_recompute, snapshot_joint
+from .audit import audit_partition, build_report, refresh_tags, saved_despite_recompute, snapshot_joint
 
 __all__ = ["PartitionResult", "partition", "SacpassPartitioner"]
 
@@ -61,6 +61,7 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], *, policy: 
     joint_text = _joint_text(gm)
     kwargs.setdefault("compiler", "inductor")
     fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    joint = refresh_tags(joint, gm)  # PyTorch's own MUST_SAVE (region boundaries, collectives) lands in the min-cut
     violations = audit_partition(bw, tags)
     report = build_report(graph_id, str(policy), joint, fw, bw, tags, violations)
     if sink is not None:
