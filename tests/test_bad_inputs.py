@@ -11,17 +11,9 @@ import torch
 import sacpass
 from sacpass.backend import sacpass_backend
 from fuzz_ops import FuzzModel, Program
+from toy import unwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def unwrap(excinfo):
-    """Dynamo wraps backend errors in BackendCompilerFailed; find the sacpass error inside."""
-    err = excinfo.value
-    while err is not None and not isinstance(err, sacpass.SacpassError):
-        err = err.__cause__ or getattr(err, "inner_exception", None)
-    assert err is not None, f"no SacpassError in {excinfo.value!r}"
-    return err
 
 
 def compile_program(program, **kw):

@@ -8,7 +8,7 @@ import torch
 
 import sacpass
 from sacpass._version import check_torch_version
-from toy import TOY_TOPK_CALLS, ToyLayer
+from toy import TOY_TOPK_CALLS, ToyLayer, unwrap
 
 TOPK = "sacpass_toy::topk_ids"
 
@@ -18,15 +18,6 @@ def compile_toy(model=None, **kw):
     kw.setdefault("use_registered", False)
     be = sacpass.backend(**kw)
     return be, torch.compile(model or ToyLayer(), backend=be, fullgraph=True)
-
-
-def unwrap(excinfo):
-    """Dynamo wraps backend errors in BackendCompilerFailed; return the sacpass error inside."""
-    err = excinfo.value
-    while err is not None and not isinstance(err, sacpass.SacpassError):
-        err = err.__cause__ or getattr(err, "inner_exception", None)
-    assert err is not None, f"no SacpassError in {excinfo.value!r}"
-    return err
 
 
 def test_unknown_op_names_closest():

@@ -209,3 +209,13 @@ class WrappedTopkLayer(ToyLayer):
                 ids = torch.ops.sacpass_toy.topk_ids_effectful(q, k, self.indexer.topk)
         h = x + self.wo(sparse_attend(self.wq(x), self.wkv(x), ids))
         return h + self.mlp(h)
+
+
+def unwrap(excinfo):
+    """Dynamo wraps backend errors in BackendCompilerFailed; return the sacpass error inside."""
+    import sacpass
+    err = excinfo.value
+    while err is not None and not isinstance(err, sacpass.SacpassError):
+        err = err.__cause__ or getattr(err, "inner_exception", None)
+    assert err is not None, f"no SacpassError in {excinfo.value!r}"
+    return err
