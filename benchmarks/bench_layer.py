@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sacpass  # noqa: E402
 from glm52_model import GLM52Config  # noqa: E402
-from glm52_model.model import MoE, DecoderLayer, RMSNorm, packed_ranges  # noqa: E402
+from glm52_model.model import DecoderLayer, init_weights, packed_ranges  # noqa: E402
 from glm52_model.ops.dsa_topk import topk_calls  # noqa: E402
 
 TOPK_OP = torch.ops.glm52.dsa_topk_indices.default
@@ -60,21 +60,11 @@ CONTROL = "full_recompute"
 # ------------------------------------------------------------------------------------------ the layer
 def build_layer(cfg: GLM52Config, device: torch.device, dtype: torch.dtype, compute_topk: bool = True,
                 seed: int = 0) -> DecoderLayer:
-    """One MoE decoder layer initialised like ``GLM52ForCausalLM.reset_parameters``."""
+    """One MoE decoder layer initialised with ``glm52_model.model.init_weights`` (as the model is)."""
     torch.manual_seed(seed)
     with torch.device(device):
         layer = DecoderLayer(cfg, 0, compute_topk=compute_topk, moe=True)
-    with torch.no_grad():
-        for m in layer.modules():
-            if isinstance(m, torch.nn.Linear):
-                torch.nn.init.normal_(m.weight, std=cfg.init_std)
-            elif isinstance(m, MoE):
-                for p in (m.gate, m.w_gate, m.w_up, m.w_down):
-                    torch.nn.init.normal_(p, std=cfg.init_std)
-            elif isinstance(m, (RMSNorm, torch.nn.LayerNorm)):
-                torch.nn.init.ones_(m.weight)
-                if getattr(m, "bias", None) is not None:
-                    torch.nn.init.zeros_(m.bias)
+    init_weights(layer, cfg.init_std)
     return layer.to(dtype)
 
 

@@ -223,6 +223,23 @@ def _token_dynamic(layer: nn.Module, *tensors: Tensor | None) -> tuple[Tensor | 
     return tensors
 
 
+@torch.no_grad()
+def init_weights(root: nn.Module, std: float) -> nn.Module:
+    """Normal(0, std) for linear, embedding and expert weights; ones/zeros for norms. Any module tree
+    (the model, or one DecoderLayer built alone for a benchmark)."""
+    for m in root.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, MoE):
+            for p in (m.gate, m.w_gate, m.w_up, m.w_down):
+                nn.init.normal_(p, std=std)
+        elif isinstance(m, (RMSNorm, nn.LayerNorm)):
+            nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+    return root
+
+
 class GLM52ForCausalLM(nn.Module):
     """``loss = model(input_ids, labels=labels)``: main next-token loss + weighted MTP loss.
 
@@ -246,19 +263,8 @@ class GLM52ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.mtp_layers))
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, MoE):
-                for p in (m.gate, m.w_gate, m.w_up, m.w_down):
-                    nn.init.normal_(p, std=std)
-            elif isinstance(m, (RMSNorm, nn.LayerNorm)):
-                nn.init.ones_(m.weight)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+        init_weights(self, self.cfg.init_std)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """Every decoder layer, main then MTP."""

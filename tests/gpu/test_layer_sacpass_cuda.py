@@ -16,7 +16,7 @@ import torch
 
 import sacpass
 from glm52_model import GLM52Config
-from glm52_model.model import DecoderLayer, MoE, RMSNorm, packed_ranges
+from glm52_model.model import DecoderLayer, init_weights, packed_ranges
 from glm52_model.ops.dsa_topk import topk_calls
 from helpers import assert_similar
 
@@ -26,15 +26,7 @@ def _layer(cfg: GLM52Config, device: str) -> DecoderLayer:
     torch.manual_seed(0)
     with torch.device(device):
         layer = DecoderLayer(cfg, 0, compute_topk=True, moe=True)
-    with torch.no_grad():
-        for m in layer.modules():
-            if isinstance(m, torch.nn.Linear):
-                torch.nn.init.normal_(m.weight, std=cfg.init_std)
-            elif isinstance(m, MoE):
-                for p in (m.gate, m.w_gate, m.w_up, m.w_down):
-                    torch.nn.init.normal_(p, std=cfg.init_std)
-            elif isinstance(m, (RMSNorm, torch.nn.LayerNorm)):
-                torch.nn.init.ones_(m.weight)
+    init_weights(layer, cfg.init_std)
     return layer.to(torch.bfloat16)
 
 
