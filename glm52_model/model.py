@@ -88,9 +88,13 @@ class Indexer(nn.Module):
                 ends: Tensor) -> Tensor:
         T = x.shape[0]
         q = self._rope(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, Hi, Di]
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)                                   # [T, Di]
+        k = self.gather_keys(self._rope(self.k_norm(self.wk(x)), cos, sin))                 # [Tk, Di]
         w = self.weights_proj(x).float() * self.n_heads ** -0.5                             # [T, Hi]
         return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, self.topk, self.head_dim ** -0.5)
+
+    def gather_keys(self, k: Tensor) -> Tensor:
+        """The keys every query may select from: the local ones (sequence parallelism gathers them)."""
+        return k
 
 
 class MLA(nn.Module):
@@ -128,10 +132,14 @@ class MLA(nn.Module):
         w_kv_b = self.wkv_b.weight.view(H, self.nope + self.v_dim, self.kv_lora)
         q_latent_nope = torch.einsum("thd,hdc->thc", q_nope, w_kv_b[:, :self.nope])  # absorb W_UK: [T, H, kv_lora]
         q_abs = torch.cat([q_latent_nope, q_pe], dim=-1)                         # [T, H, kv_lora + rope]
-        kv_abs = torch.cat([self.kv_norm(kv), k_pe], dim=-1)                     # [T, kv_lora + rope]
+        kv_abs = self.gather_kv(torch.cat([self.kv_norm(kv), k_pe], dim=-1))     # [Tk, kv_lora + rope]
         o_latent, _ = torch.ops.glm52.sparse_mla(q_abs, kv_abs, topk_ids, self.softmax_scale, self.kv_lora)
         o = torch.einsum("thc,hvc->thv", o_latent, w_kv_b[:, self.nope:])       # absorb W_UV: [T, H, v]
         return self.wo(o.flatten(1)), topk_ids
+
+    def gather_kv(self, kv_abs: Tensor) -> Tensor:
+        """The key/value latent the sparse attention reads: the local one (sequence parallelism gathers it)."""
+        return kv_abs
 
 
 class MLP(nn.Module):

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import GLM52Config
-from .model import MLA, GLM52ForCausalLM, Indexer, MoE, _token_dynamic, apply_rope, \
-    packed_ranges, rope_cos_sin
+from .model import MLA, GLM52ForCausalLM, Indexer, MoE, _token_dynamic, packed_ranges
 from .mtp import mtp_labels
 
 __all__ = ["ParallelDims", "ParallelGroups", "Shard", "SequenceParallelIndexer", "SequenceParallelMLA",
@@ -119,14 +118,8 @@ class SequenceParallelIndexer(Indexer):
 
     sp_group: str
 
-    def forward(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, starts: Tensor,
-                ends: Tensor) -> Tensor:
-        T = x.shape[0]
-        q = self._rope(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, Hi, Di]
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)                                   # [T, Di]
-        k = funcol.all_gather_single(k, 0, self.sp_group)                                   # [sp*T, Di]
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5                             # [T, Hi]
-        return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, self.topk, self.head_dim ** -0.5)
+    def gather_keys(self, k: Tensor) -> Tensor:
+        return funcol.all_gather_single(k, 0, self.sp_group)                               # [sp*T, Di]
 
 
 class SequenceParallelMLA(MLA):
@@ -135,26 +128,8 @@ class SequenceParallelMLA(MLA):
 
     sp_group: str
 
-    def forward(self, x: Tensor, positions: Tensor, starts: Tensor, ends: Tensor,
-                topk_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-        T, H = x.shape[0], self.n_heads
-        q_latent = self.q_norm(self.wq_a(x))                                      # [T, q_lora]
-        q_nope, q_pe = self.wq_b(q_latent).view(T, H, -1).split([self.nope, self.rope], dim=-1)
-        kv, k_pe = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)       # [T, kv_lora], [T, rope]
-        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
-        q_pe = apply_rope(q_pe, cos, sin, interleaved=False)                     # [T, H, rope]
-        k_pe = apply_rope(k_pe, cos, sin, interleaved=False)                     # [T, rope]
-        if self.indexer is not None:
-            with torch.no_grad():
-                topk_ids = self.indexer(x, q_latent, cos, sin, starts, ends)     # [T, topk] block IDs
-        w_kv_b = self.wkv_b.weight.view(H, self.nope + self.v_dim, self.kv_lora)
-        q_latent_nope = torch.einsum("thd,hdc->thc", q_nope, w_kv_b[:, :self.nope])
-        q_abs = torch.cat([q_latent_nope, q_pe], dim=-1)                         # [T, H, kv_lora + rope]
-        kv_abs = torch.cat([self.kv_norm(kv), k_pe], dim=-1)                     # [T, kv_lora + rope]
-        kv_abs = funcol.all_gather_single(kv_abs, 0, self.sp_group)             # [sp*T, kv_lora + rope]
-        o_latent, _ = torch.ops.glm52.sparse_mla(q_abs, kv_abs, topk_ids, self.softmax_scale, self.kv_lora)
-        o = torch.einsum("thc,hvc->thv", o_latent, w_kv_b[:, self.nope:])       # [T, H, v]
-        return self.wo(o.flatten(1)), topk_ids
+    def gather_kv(self, kv_abs: Tensor) -> Tensor:
+        return funcol.all_gather_single(kv_abs, 0, self.sp_group)                          # [sp*T, kv_lora + rope]
 
 
 def apply_sp(model: GLM52ForCausalLM, group: str) -> None:
