@@ -22,6 +22,7 @@ from ._version import PASS_VERSION, __version__
 from .dump import Dumper
 from .errors import BackendOptionError, SacpassWarning
 from .partitioner import PartitionResult, SacpassPartitioner
+from .passes.checkpoint_regions import route_checkpoints_pass
 from .policies import Policy
 from .report import Report
 
@@ -81,6 +82,7 @@ class Backend:
         self.results: list[PartitionResult] = []  # fw/bw graphs of partitions done in this process
         self._lock = threading.Lock()
         self._pending_key: str | None = None
+        self._pending_routed: list[str] = []  # checkpoint bodies route_checkpoints_pass routed (this compile)
         key = self.policy.cache_key()
         self.uuid = None if key is None else f"sacpass-{_sources_digest()}-{key}-{int(strict)}"
         if self.uuid is None:
@@ -103,10 +105,11 @@ class Backend:
         key = self._artifact_key(gm, example_inputs)
         n_before = len(self.reports)
         self._pending_key = key
+        self._pending_routed = route_checkpoints_pass(gm)
         try:
             compiled = self._compile(gm, example_inputs)
         finally:
-            self._pending_key = None
+            self._pending_key, self._pending_routed = None, []
         if len(self.reports) == n_before and key is not None:
             self._load_persisted(key)
         return compiled
@@ -126,6 +129,7 @@ class Backend:
             return f"g{len(self.reports)}"
 
     def _sink(self, result: PartitionResult) -> None:
+        result.report.routed_checkpoints = list(self._pending_routed)
         with self._lock:
             self.reports.append(result.report)
             self.results.append(result)

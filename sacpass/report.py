@@ -54,6 +54,8 @@ class Report:
     tagged: list[dict[str, Any]] = field(default_factory=list)  # TagRecords as dicts
     unmatched: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)  # must-save nodes the backward still computes
+    # plain checkpoint bodies given torch 2.13's tagging on an older torch (passes/checkpoint_regions.py)
+    routed_checkpoints: list[str] = field(default_factory=list)
     from_cache: bool = False  # rebuilt from a persisted report on a compile-cache hit
 
     # ------------------------------------------------------------------ totals
@@ -107,7 +109,8 @@ class Report:
             rep = cls(graph=d["graph"], policy=d["policy"], torch_version=d["torch_version"], saved=saved,
                       saved_symints=int(d.get("saved_symints", 0)), recomputed=dict(d.get("recomputed", {})),
                       tagged=list(d.get("tagged", [])), unmatched=list(d.get("unmatched", [])),
-                      violations=list(d.get("violations", [])))
+                      violations=list(d.get("violations", [])),
+                      routed_checkpoints=list(d.get("routed_checkpoints", [])))
         except (KeyError, TypeError, ValueError) as e:
             raise DumpError(f"sacpass: {where} is a corrupted sacpass report ({type(e).__name__}: {e}).") from e
         if "total_bytes" in d and d["total_bytes"] != rep.total_bytes:
@@ -156,6 +159,9 @@ def format_report(report: Report, *, verbose: bool = False) -> str:
         for t in report.tagged:
             lines.append(f"  {t['tag']:<14} {t['name']} {t['op']} <- {t['selector']} "
                          f"({t['module'] or '<root>'} {t['source'] or '-'})")
+    if report.routed_checkpoints:
+        lines.append(f"plain checkpoints tagged the torch 2.13 way (ops inside autograd.Functions recomputed): "
+                     f"{', '.join(report.routed_checkpoints)}")
     if report.unmatched:
         lines.append(f"unmatched selectors: {', '.join(report.unmatched)}")
     if report.violations:

@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import sacpass
 from toy import ATEN_TOPK_CALLS, TOY_TOPK_CALLS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, grads_of
@@ -250,3 +251,75 @@ def test_wrapped_ops(variant, op):
     assert any(wrapper in line and "MUST_SAVE" in line for line in joint.splitlines()), joint
     if variant == "mutating":
         assert float(model.seen) == seen_before + 1  # compiled: the mutation happened once, not replayed
+
+
+class _FunctionLayer(torch.nn.Module):
+    """The model's FP8 linear (a custom autograd.Function around FP8 custom ops) in a checkpoint."""
+
+    def __init__(self, context_fn=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(256, 256) / 16)
+        self.context_fn = context_fn
+
+    def body(self, x):
+        from glm52_model.ops.fp8 import fp8_linear
+        return fp8_linear(x.sin(), self.w).cos()
+
+    def forward(self, x):
+        kw = {"context_fn": self.context_fn} if self.context_fn else {}
+        return checkpoint(self.body, x, use_reentrant=False, **kw)
+
+
+def test_plain_checkpoint_recomputes_inside_autograd_functions():
+    """A plain checkpoint recomputes the FP8 GEMMs inside the FP8 linear's autograd.Function. On torch 2.11
+    the plain checkpoint alone left them untagged and min-cut saved them (H200, bench layer: 6
+    fp8_blockwise_mm and 11 fp8_quantize fewer recomputed than PyTorch SAC); route_checkpoints_pass gives
+    such bodies torch 2.13's tagging. On the CI torch (2.13) the property holds without the pass: this
+    test pins it there; tests/gpu/test_layer_sacpass_cuda.py asserts it on the H200's torch 2.11."""
+    from sacpass.passes.checkpoint_regions import plain_checkpoint_misses_autograd_functions
+    torch.manual_seed(0)
+    ref = _FunctionLayer()
+    x = torch.randn(64, 256)
+    xe = x.clone().requires_grad_()
+    ref(xe).square().sum().backward()
+    be = sacpass.backend(inner="aot_eager", use_registered=False)
+    model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
+    xs = x.clone().requires_grad_()
+    model(xs).square().sum().backward()
+    (report,) = be.reports
+    mm = "glm52::fp8_blockwise_mm.default"
+    assert report.recomputed.get(mm) == 1, report.format()
+    assert not any(s.op.startswith("glm52::fp8") for s in report.saved), report.format()
+    assert report.routed_checkpoints == (["wrap_body_0"] if plain_checkpoint_misses_autograd_functions() else [])
+    assert sacpass.Report.from_json(report.to_json()).routed_checkpoints == report.routed_checkpoints
+    torch.testing.assert_close(xs.grad, xe.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.w.grad, ref.w.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_route_checkpoints_pass_marks_only_plain_bodies_with_functions():
+    """The Dynamo-graph rewrite itself (forced, so it runs on this torch too): a plain body holding an
+    autograd.Function is routed; a body without one, or with a user context_fn, is left alone."""
+    from sacpass.passes.checkpoint_regions import always_recompute_context_fn, route_checkpoints_pass
+
+    def user_ctx():
+        return create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+
+    seen = {}
+
+    def capture(name):
+        def be(gm, example_inputs):
+            seen[name] = (route_checkpoints_pass(gm, force=True), gm)
+            return gm.forward
+        return be
+
+    for name, layer in (("function", _FunctionLayer()), ("user_context", _FunctionLayer(context_fn=user_ctx)),
+                        ("plain", ToyLayer(dim=256, idx_dim=8))):
+        x = torch.randn(8, 256, requires_grad=True)
+        torch._dynamo.reset()
+        torch.compile(layer, backend=capture(name), fullgraph=True)(x)
+    routed, gm = seen["function"]
+    assert routed == ["wrap_body_0"]
+    assert gm.wrap_body_0.meta["_checkpoint_context_fn"] is always_recompute_context_fn
+    assert seen["user_context"][0] == [] and seen["user_context"][1].wrap_body_0.meta["_checkpoint_context_fn"] \
+        is not always_recompute_context_fn
+    assert seen["plain"][0] == [] and "_checkpoint_context_fn" not in seen["plain"][1].wrap_body_0.meta
