@@ -89,6 +89,14 @@ def bench_mla(S, H, idx, reps, with_reference):
     row["bwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
     row["fwd_tflops"] = fwd_flop / row["fwd_ms"] / 1e9
     row["bwd_tflops"] = bwd_flop / row["bwd_ms"] / 1e9
+    # profile: what the kernels move. Every query gathers topk latent rows (576 bf16) in fwd and bwd; the
+    # bwd also scatters topk x 576 fp32 dkv partial sums with vector atomics. Ablation: bwd without them.
+    gathered = S * topk * 576 * 2
+    row["fwd_gather_tb_per_s"] = gathered / row["fwd_ms"] / 1e9
+    row["bwd_no_dkv_scatter_ms"] = cuda_time_ms(
+        lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512, _profile_no_dkv=True), reps=reps)
+    row["bwd_dkv_scatter_share"] = 1 - row["bwd_no_dkv_scatter_ms"] / row["bwd_ms"]
+    row["bwd_dkv_atomic_tb_per_s"] = S * topk * 576 * 4 / (row["bwd_ms"] - row["bwd_no_dkv_scatter_ms"]) / 1e9
     if with_reference:
         row["reference_fwd_ms"] = cuda_time_ms(lambda: _sparse_mla_fwd_kernel(q, kv, idx, scale, 512),
                                                warmup=1, reps=2)

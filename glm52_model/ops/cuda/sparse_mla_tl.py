@@ -129,9 +129,10 @@ def build_sparse_mla_fwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
 
 def build_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int = 576,
                          dim_v: int = 512, block_I: int = 32, num_stages: int = 0,
-                         threads: int = 256, split_store: int = 2):
+                         threads: int = 256, split_store: int = 2, dkv_atomics: bool = True):
     """Backward: dq [seq, heads, 576] bf16 and fp32 dkv accumulated in place ([seq_kv, 576],
-    zero-initialised by the caller). `heads` padded, `topk` a multiple of block_I."""
+    zero-initialised by the caller). `heads` padded, `topk` a multiple of block_I.
+    ``dkv_atomics=False`` is for profiling only: everything but the dkv scatter (dkv stays zero)."""
     assert heads == padded_heads(heads) and topk % block_I == 0 and block_I % split_store == 0
     D, DT = dim_v, dim_qk - dim_v
     HB = min(heads, 64)
@@ -219,11 +220,11 @@ def build_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
                         if i // BS == part:
                             dkt_s[i % BS, d] = acc_dkt[i, d]
                     for i, d4 in T.Parallel(BS, D // 4):
-                        if Idx[s_i, it * block_I + part * BS + i] >= 0:
+                        if dkv_atomics and Idx[s_i, it * block_I + part * BS + i] >= 0:
                             T.atomic_addx4(dKV[Idx[s_i, it * block_I + part * BS + i], d4 * 4],
                                            dkv_s[i, d4 * 4])
                     for i, d4 in T.Parallel(BS, DT // 4):
-                        if Idx[s_i, it * block_I + part * BS + i] >= 0:
+                        if dkv_atomics and Idx[s_i, it * block_I + part * BS + i] >= 0:
                             T.atomic_addx4(dKV[Idx[s_i, it * block_I + part * BS + i], D + d4 * 4],
                                            dkt_s[i, d4 * 4])
 
@@ -315,12 +316,13 @@ def sparse_mla_tl(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_s
 
 def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                       indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
-                      d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA kernel of `glm52::sparse_mla_bwd`: dq like q, dkv like kv."""
+                      d_v: int, *, _profile_no_dkv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA kernel of `glm52::sparse_mla_bwd`: dq like q, dkv like kv. (``_profile_no_dkv``: the
+    benchmark's ablation without the dkv scatter; dkv is then wrong.)"""
     _check(q, kv, indices, d_v, "sparse_mla_bwd")
     S, H, Dqk = q.shape
     Hp = padded_heads(H)
-    tun = bwd_tunables(Hp)
+    tun = dict(bwd_tunables(Hp), **({"dkv_atomics": False} if _profile_no_dkv else {}))
     idx = _prep_indices(indices, tun["block_I"])
     delta = (out.float() * dout.float()).sum(-1)  # [S, H]
     qp = pad_dim(q.to(torch.bfloat16), 1, Hp)
