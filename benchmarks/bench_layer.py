@@ -6,14 +6,19 @@
 Variants (one process, the same weights and the same inputs for every variant):
 
 - ``no_ac``          no checkpoint, ``torch.compile(fullgraph=True)`` (upper bound on speed);
-- ``full_recompute`` the model's own ``checkpoint`` around the layer body, compiled with plain Inductor
-                     (the control: the backward replays the whole forward, the DSA top-k included);
+- ``full_recompute`` the control: the backward replays the whole forward, the DSA top-k included.
+                     ``checkpoint(..., context_fn=<PyTorch SAC contexts, always PREFER_RECOMPUTE>)`` compiled with
+                     plain Inductor: what torch >= 2.13 runs for a plain checkpoint. (Up to torch 2.12 a plain
+                     checkpoint under compile leaves the ops inside custom autograd.Functions untagged, so the
+                     FP8 linears' GEMMs and quantisations were saved, not recomputed: ``plain_ac`` below.)
 - ``island``         the public workaround: the top-k call wrapped in ``torch._dynamo.disable`` (the
                      indexer's call site is swapped for this variant only) and kept by an eager
                      selective-checkpoint policy; compiled without ``fullgraph`` (it must graph-break);
 - ``pytorch_sac``    ``checkpoint(..., context_fn=create_selective_checkpoint_contexts([dsa_topk_indices]))``
                      under ``torch.compile(fullgraph=True)``;
 - ``sacpass``        the model's own ``checkpoint`` call, compiled with ``sacpass.backend()`` (Inductor).
+- ``plain_ac``       (not run by default) the model's own plain ``checkpoint`` call under plain Inductor: equal
+                     to the control on torch >= 2.13, a partly selective checkpoint on older ones (see above).
 
 Every compiled variant marks the token dim dynamic (``torch._dynamo.maybe_mark_dynamic``), so one compile
 serves every sequence length. Per variant and length: median step time over ``--steps`` steps after
@@ -26,6 +31,7 @@ markdown table and a PNG plot of step time / control versus S.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
@@ -50,9 +56,10 @@ import sacpass  # noqa: E402
 from glm52_model import GLM52Config  # noqa: E402
 from glm52_model.model import DecoderLayer, init_weights, packed_ranges  # noqa: E402
 from glm52_model.ops.dsa_topk import topk_calls  # noqa: E402
+from sacpass.passes.checkpoint_regions import always_recompute_context_fn  # noqa: E402
 
 TOPK_OP = torch.ops.glm52.dsa_topk_indices.default
-VARIANTS = ("no_ac", "full_recompute", "island", "pytorch_sac", "sacpass")
+VARIANTS = ("no_ac", "full_recompute", "island", "pytorch_sac", "sacpass", "plain_ac")
 RUN_ORDER = ("full_recompute", "sacpass", "pytorch_sac", "island", "no_ac")   # sacpass compiles before SAC
 CONTROL = "full_recompute"
 
@@ -87,16 +94,16 @@ def _save_topk_context():
     return create_selective_checkpoint_contexts([TOPK_OP])
 
 
-class _SACLayer(torch.nn.Module):
-    """PyTorch SAC placed by hand: checkpoint(layer, context_fn=save the top-k op)."""
+class CheckpointLayer(torch.nn.Module):
+    """checkpoint(layer, context_fn=...) placed by hand around a layer whose own checkpoint is off:
+    PyTorch SAC (save the top-k op) or the control (recompute every op)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, context_fn):
         super().__init__()
-        self.layer = layer
+        self.layer, self.context_fn = layer, context_fn
 
-    def forward(self, x, positions, starts, ends):
-        return checkpoint(self.layer, x, positions, starts, ends, use_reentrant=False,
-                          context_fn=_save_topk_context)
+    def forward(self, *args):
+        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=self.context_fn)
 
 
 class _IslandLayer:
@@ -128,12 +135,13 @@ class Variant:
             self.backend_name = f"sacpass({self.backend.inner})"
         else:
             self.backend = backend
-        if name in ("no_ac", CONTROL, "sacpass"):
+        if name in ("no_ac", "plain_ac", "sacpass"):
             layer.recompute = name != "no_ac"                                  # the model's own checkpoint call
             self.fn = torch.compile(layer, backend=self.backend, fullgraph=True)
-        elif name == "pytorch_sac":
+        elif name in (CONTROL, "pytorch_sac"):
             layer.recompute = False                                             # the checkpoint is placed here
-            self.fn = torch.compile(_SACLayer(layer), backend=self.backend, fullgraph=True)
+            ctx = always_recompute_context_fn if name == CONTROL else _save_topk_context
+            self.fn = torch.compile(CheckpointLayer(layer, ctx), backend=self.backend, fullgraph=True)
         else:  # island
             # compile(checkpoint(layer)) with a graph break inside the checkpoint body runs the WHOLE body
             # eagerly (measured: 0 compiled graphs), so the island is built the way the workaround is used:
@@ -153,6 +161,18 @@ class Variant:
         if topk_ids is None:
             return self.fn(x, positions, starts, ends)
         return self.fn(x, positions, starts, ends, topk_ids)
+
+
+@contextlib.contextmanager
+def cold_compile_caches():
+    """A fresh Inductor + Triton cache dir and fresh compile workers: compile times of variants that
+    produce the same graphs (SAC and sacpass) are comparable only when neither reuses the other's."""
+    from torch._inductor.async_compile import shutdown_compile_workers
+    from torch._inductor.utils import fresh_cache
+    shutdown_compile_workers()
+    with fresh_cache():
+        yield
+    shutdown_compile_workers()
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -201,10 +221,11 @@ def one_step(v: Variant, x0, positions, starts, ends, topk_ids=None):
 
 
 def dynamo_counts():
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters, guard_failures
     return {"graph_breaks": sum(counters["graph_break"].values()),
             "graph_break_reasons": sorted(counters["graph_break"].keys())[:5],
-            "unique_graphs": counters["stats"]["unique_graphs"]}
+            "unique_graphs": counters["stats"]["unique_graphs"],
+            "guard_failures": [str(r)[:400] for reasons in guard_failures.values() for r in reasons]}
 
 
 def measure(v: Variant, inputs, steps: int, warmup: int, clock: Clock, device, topk_ids=None) -> dict:
@@ -243,6 +264,7 @@ def measure(v: Variant, inputs, steps: int, warmup: int, clock: Clock, device, t
         "loss": float(losses[-1]), "first_loss": float(first_loss),
         "new_graphs": after["unique_graphs"] - before["unique_graphs"],
         "new_graph_breaks": after["graph_breaks"] - before["graph_breaks"],
+        "recompile_reasons": after["guard_failures"][len(before["guard_failures"]):],   # guards that failed
     }
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -358,10 +380,15 @@ def targets(result: dict) -> list[dict]:
             if "topk_bwd_runs_per_step" in m:
                 add(f"backward top-k runs of {v} == {want} at S={S}", m["topk_bwd_runs_per_step"] == want,
                     str(m["topk_bwd_runs_per_step"]))
-    cs, cp = result["compile"].get("sacpass", {}), result["compile"].get("pytorch_sac", {})
-    if "compile_s" in cs and "compile_s" in cp:
+    # prefer the run in which every variant compiled with cold caches (a merged run may have them)
+    runs = [r for r in (result.get("compile", {}), result.get("compile_merged_runs", {}))
+            if "compile_s" in r.get("sacpass", {}) and "compile_s" in r.get("pytorch_sac", {})]
+    runs.sort(key=lambda r: not (r["sacpass"].get("cold_caches") and r["pytorch_sac"].get("cold_caches")))
+    if runs:
+        cs, cp = runs[0]["sacpass"], runs[0]["pytorch_sac"]
         add("compile time sacpass <= PyTorch SAC", cs["compile_s"] <= cp["compile_s"],
-            f"{cs['compile_s']:.1f} s vs {cp['compile_s']:.1f} s (sacpass compiled first: colder caches)")
+            f"{cs['compile_s']:.1f} s vs {cp['compile_s']:.1f} s "
+            f"({'each variant with fresh compile caches and workers' if cs.get('cold_caches') else 'shared caches: sacpass compiled first'})")
     return out
 
 
@@ -408,9 +435,11 @@ def markdown(result: dict) -> str:
                          f"{m['topk_fwd_runs_per_step']} | {m['loss']:.6g} | {m['new_graphs']} |")
     lines += ["", "Compile (first step minus a steady step, s), graph breaks, compiled graphs:", "",
               "| variant | compile s | graph breaks | graphs | fullgraph |", "|---|---|---|---|---|"]
-    for v, c in result.get("compile", {}).items():
-        lines.append(f"| {v} | {_fmt(c.get('compile_s'), '.1f')} | {c.get('graph_breaks')} | "
-                     f"{c.get('unique_graphs')} | {c.get('fullgraph')} |")
+    for label, rows in (("", result.get("compile", {})), ("merged run: ", result.get("compile_merged_runs", {}))):
+        for v, c in rows.items():
+            lines.append(f"| {label}{v} (S={c.get('at_S')}, {'cold' if c.get('cold_caches') else 'shared'} caches) | "
+                         f"{_fmt(c.get('compile_s'), '.1f')} | {c.get('graph_breaks')} | "
+                         f"{c.get('unique_graphs')} | {c.get('fullgraph')} |")
     if result.get("mtp"):
         lines += ["", "MTP layer (shared top-k: no top-k inside the layer):", "",
                   "| S | variant | step ms | peak alloc GiB | bwd top-k |", "|---|---|---|---|---|"]
@@ -442,7 +471,8 @@ def plot(result: dict, path: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {"limit": dict(color="k", ls="--"), "no_ac": dict(color="tab:gray"),
               CONTROL: dict(color="tab:blue"), "island": dict(color="tab:red"),
-              "pytorch_sac": dict(color="tab:orange", marker="s"), "sacpass": dict(color="tab:green", marker="o")}
+              "pytorch_sac": dict(color="tab:orange", marker="s"), "sacpass": dict(color="tab:green", marker="o"),
+              "plain_ac": dict(color="tab:purple", ls=":")}
     for name, pts in series.items():
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **{"marker": ".", **styles.get(name, {})})
@@ -513,6 +543,9 @@ def main(argv=None) -> dict:
                    help="inner compiler of every variant (default: inductor on CUDA, aot_eager on CPU, where "
                         "Inductor's C++ compile of this layer takes minutes per variant)")
     p.add_argument("--static", action="store_true", help="do not mark the token dim dynamic")
+    p.add_argument("--warm-caches", action="store_true",
+                   help="share Inductor/Triton caches and compile workers between variants (default: every "
+                        "variant compiles cold, so identical graphs do not hit a cache a previous variant filled)")
     p.add_argument("--mtp-seq", type=int, default=0, help="also time the MTP layer at this length (0: skip)")
     p.add_argument("--mtp-variants", default=f"{CONTROL},sacpass")
     p.add_argument("--budget-s", type=float, default=540.0,
@@ -604,6 +637,9 @@ def main(argv=None) -> dict:
         # each variant: a fresh dynamo (no shared code-object caches between variants), one compile at the
         # first length (token dim dynamic), then every length; an equal share of the remaining budget
         share = left() / (len(names) - i) - 5
+        caches = contextlib.ExitStack()
+        if not args.warm_caches:
+            caches.enter_context(cold_compile_caches())
         t_variant = time.perf_counter()
         torch._dynamo.reset()
         counters.clear()
@@ -653,7 +689,9 @@ def main(argv=None) -> dict:
             save()
         compile_rows = result["compile"] if merged_compile is None else merged_compile
         compile_rows.setdefault(name, {})["graphs_after_all_lengths"] = dynamo_counts()["unique_graphs"]
+        compile_rows[name]["cold_caches"] = not args.warm_caches
         del v
+        caches.close()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

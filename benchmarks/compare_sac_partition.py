@@ -1,9 +1,11 @@
-"""Why is PyTorch SAC slower than sacpass on the same layer? Compare the two partitions' saved sets.
+"""Do PyTorch SAC and sacpass reach the same partition of the bench layer? Compare their saved sets.
 
 Compiles the bench layer twice through sacpass's partitioner so both get a report: (1) PyTorch SAC placed
 by hand (checkpoint(layer, context_fn=save the top-k)) with sacpass adding no tags (``use_registered=False``),
 (2) the model's own checkpoint with sacpass. Prints saved bytes by reason and the ops each backward
-recomputes that the other does not.
+recomputes that the other does not. On the H200 (torch 2.11, 4K) both save the same 20 tensors and
+recompute the same 161 ops (``benchmarks/results/sac_vs_sacpass_h200.json``); before sacpass routed plain
+checkpoints through torch 2.13's tagging, sacpass's side saved the FP8 linears' outputs.
 
     python3 benchmarks/compare_sac_partition.py --seq 4096 [--device cuda] [--inner inductor]
 """
@@ -19,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sacpass  # noqa: E402
-from bench_layer import _SACLayer, build_layer, make_inputs  # noqa: E402
+from bench_layer import CheckpointLayer, _save_topk_context, build_layer, make_inputs  # noqa: E402
 from glm52_model import GLM52Config  # noqa: E402
 
 
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
 
     sac_layer = copy.deepcopy(base)
     sac_layer.recompute = False
-    sac = partition_of(_SACLayer(sac_layer), sacpass.backend(inner=args.inner, use_registered=False), inputs)
+    sac = partition_of(CheckpointLayer(sac_layer, _save_topk_context), sacpass.backend(inner=args.inner, use_registered=False), inputs)
     sp = partition_of(copy.deepcopy(base), sacpass.backend(inner=args.inner), inputs)
     result = {}
     for name, rep in (("pytorch_sac", sac), ("sacpass", sp)):
