@@ -52,12 +52,13 @@ def _hop(name: str):
 
 
 def _submodule(owner: torch.fx.GraphModule, node: torch.fx.Node):
-    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        mod = owner
-        for part in node.target.split("."):
-            mod = getattr(mod, part, None)
-        return mod if isinstance(mod, torch.fx.GraphModule) else None
-    return None
+    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
+        return None
+    try:
+        mod = owner.get_submodule(node.target)
+    except AttributeError:
+        return None
+    return mod if isinstance(mod, torch.fx.GraphModule) else None
 
 
 def _contains_autograd_function(gm: torch.fx.GraphModule, apply_hop) -> bool:
