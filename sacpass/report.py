@@ -63,6 +63,16 @@ class Report:
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.saved)
 
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of saved graph inputs (parameters, the layer input): alive anyway, not activations."""
+        return sum(s.bytes for s in self.saved if s.reason == GRAPH_INPUT)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of saved activations: everything saved that is not a graph input."""
+        return self.total_bytes - self.input_bytes
+
     def bytes_by_reason(self) -> dict[str, int]:
         out: Counter = Counter()
         for s in self.saved:

@@ -23,7 +23,7 @@ import torch
 from .graphs import graph_text, report_text
 from .report import Report
 
-__all__ = ["assert_graphs_match", "golden_text", "expected_path", "ACCEPT_ENV"]
+__all__ = ["assert_graphs_match", "golden_text", "expected_path", "ACCEPT_ENV", "OpCounter"]
 
 ACCEPT_ENV = "EXPECTTEST_ACCEPT"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -136,3 +136,93 @@ def assert_graphs_match(name: str, obj, *, directory: str | os.PathLike | None =
                                         fromfile=f"{path} (expected)", tofile=f"{name} (actual)"))
     raise AssertionError(f"sacpass: compiled graphs differ from golden {path}. If the change is intended, "
                          f"rerun with {ACCEPT_ENV}=1 and review the new file.\n{diff}")
+
+
+class OpCounter:
+    """Counts, at run time, how often chosen ops execute in the forward and in the backward.
+
+    ::
+
+        with sacpass.testing.OpCounter("glm52::dsa_topk_indices") as topk:
+            model(x).sum().backward()
+        assert topk.backward == 0        # the backward never re-ran the top-k
+
+    A ``TorchDispatchMode`` that ignores compile internals: it counts real executions (eager code, the
+    graphs ``aot_eager`` runs and the extern kernels Inductor calls), never the fake runs of tracing. An op
+    counts as backward when it runs while autograd executes a backward node (a recompute, a custom op's
+    backward). Ops are OpOverloads, OpOverloadPackets or strings ``"ns::op"`` / ``"ns::op.overload"``.
+    """
+
+    def __init__(self, *ops):
+        if not ops:
+            raise ValueError("sacpass.testing.OpCounter: name at least one op to count.")
+        self._match = tuple(_op_key(op) for op in ops)
+        self.counts: dict[tuple[str, str], int] = {}
+        self._mode = None
+
+    def _hit(self, func) -> None:
+        name = func._schema.name
+        overload = func._overloadname or "default"
+        for packet, ov in self._match:
+            if packet == name and (ov is None or ov == overload):
+                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+                key = (f"{name}.{overload}", phase)
+                self.counts[key] = self.counts.get(key, 0) + 1
+                return
+
+    def count(self, phase: str | None = None, op: str | None = None) -> int:
+        """Executions in ``phase`` ("forward", "backward" or None for both) of ``op`` (None: all)."""
+        return sum(n for (name, ph), n in self.counts.items()
+                   if (phase is None or ph == phase) and (op is None or name.startswith(op)))
+
+    @property
+    def forward(self) -> int:
+        return self.count("forward")
+
+    @property
+    def backward(self) -> int:
+        return self.count("backward")
+
+    @property
+    def total(self) -> int:
+        return self.count()
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def __enter__(self) -> "OpCounter":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            @classmethod
+            def ignore_compile_internals(cls):
+                return True
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter._hit(func)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        mode, self._mode = self._mode, None
+        mode.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"OpCounter(forward={self.forward}, backward={self.backward})"
+
+
+def _op_key(op) -> tuple[str, str | None]:
+    if isinstance(op, torch._ops.OpOverload):
+        return op._schema.name, op._overloadname or "default"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name, None
+    if isinstance(op, str) and "::" in op:
+        name, _, overload = op.partition(".")
+        return name, overload or None
+    raise ValueError(f"sacpass.testing.OpCounter: {op!r} is not an op; pass torch.ops.ns.op, "
+                     f"torch.ops.ns.op.overload or 'ns::op'.")
