@@ -36,10 +36,6 @@ def trace_report(report) -> None:
                      payload_fn=report.to_json)
 
 
-def _readable(gm) -> str:
-    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
-
-
 class Dumper:
     """Writes dumps into one directory; checks at construction that it can."""
 
@@ -60,7 +56,7 @@ class Dumper:
 
     def write(self, result) -> str:
         """Write one PartitionResult; returns its folder. Rewrites index.json and index.html."""
-        from .graphs import SymbolRenamer, normalized_graph
+        from .graphs import SymbolRenamer, normalized_graph, readable
         from .html import graph_view, render_html
 
         gid = result.report.graph
@@ -72,8 +68,8 @@ class Dumper:
             os.makedirs(folder, exist_ok=True)
             files = {
                 "joint.txt": result.joint_text,
-                "forward.txt": _readable(result.forward),
-                "backward.txt": _readable(result.backward),
+                "forward.txt": readable(result.forward),
+                "backward.txt": readable(result.backward),
                 "forward.normalized.txt": symbols(normalized_graph(result.forward, regions)),
                 "backward.normalized.txt": symbols(normalized_graph(result.backward, regions)),
                 "report.json": result.report.to_json(),
@@ -180,6 +176,11 @@ def _node(node, path: str) -> dict:
     if saved is not None and (not isinstance(saved, int) or isinstance(saved, bool)):
         raise DumpError(f"sacpass: {path} is corrupted: node field 'saved_bytes' must be an integer or null.")
     out["saved_bytes"] = saved
+    for key, typ, default in (("reason", str, ""), ("offload", bool, False)):  # graph.json version 2
+        value = node.get(key, default)
+        if not isinstance(value, typ):
+            raise DumpError(f"sacpass: {path} is corrupted: node field {key!r} must be {typ.__name__}.")
+        out[key] = value
     return out
 
 

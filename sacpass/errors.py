@@ -1,6 +1,10 @@
 """One error hierarchy for sacpass. Every message names the thing, the value and the fix."""
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 
 class SacpassError(Exception):
     """Base class of every error sacpass raises."""
@@ -19,15 +23,16 @@ class UnknownOpError(SelectorError):
 
 
 class UnmatchedSelectorError(SacpassError):
-    """A selector given explicitly matched no node in a compiled graph (strict mode)."""
+    """A selector given explicitly matched no node in a graph that could hold it (strict mode)."""
 
 
 class PolicyConflictError(SacpassError):
-    """One node is selected both to save and to recompute."""
+    """One node is selected for two different actions (save, offload, recompute)."""
 
 
 class MustSaveViolation(SacpassError):
-    """A node tagged must-save is still computed in the backward graph."""
+    """A node tagged must-save (or offload) is still computed in the backward graph, or an offloaded value
+    stays on the device between forward and backward."""
 
 
 class BackendOptionError(SacpassError, TypeError):
@@ -38,5 +43,24 @@ class DumpError(SacpassError, OSError):
     """A dump directory cannot be written or a dump cannot be read."""
 
 
+class OffloadError(SacpassError, RuntimeError):
+    """An offload could not be carried out at run time (host budget exceeded, a value never reloaded)."""
+
+
 class SacpassWarning(UserWarning):
     """Warnings sacpass emits: non-strict violations, cache bypass, checkpoint outside compile."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type[Warning] = SacpassWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside sacpass (and outside torch's compile
+    machinery), so the warning points at the user's line, not into the library."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_PACKAGE) and f"{os.sep}torch{os.sep}" not in path:
+            break
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)

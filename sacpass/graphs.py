@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._dynamo.testing import normalize_gm
 
-from .report import Report
+from .nodes import tag_name
+from .report import Report, saved_table as _saved_rows
 
 __all__ = ["readable", "normalized_graph", "saved_table", "graph_text", "report_text", "stable_symbols", "SymbolRenamer",
            "module_of_source"]
@@ -37,16 +37,20 @@ def readable(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
+_PRINTED_TAGS = ("MUST_SAVE", "MUST_RECOMPUTE", "MUST_CPU_OFFLOAD")
+
+
 def _tag_of(node: torch.fx.Node) -> str | None:
-    tag = node.meta.get("recompute")
-    name = getattr(tag, "name", None)
-    return name if name in ("MUST_SAVE", "MUST_RECOMPUTE") else None
+    name = tag_name(node)
+    return name if name in _PRINTED_TAGS else None
 
 
 def normalized_graph(gm: torch.fx.GraphModule, region_ids: dict[Any, int] | None = None) -> str:
     """One graph as stable text: ``print_readable`` -> ``normalize_gm``, devices and addresses abstracted,
     MUST_SAVE / MUST_RECOMPUTE nodes marked ``# MUST_SAVE (region N)``. ``region_ids`` maps raw
     ``ac_graph_id``s to renumbered ones and is filled in first-appearance order (share it across graphs)."""
+    from torch._dynamo.testing import normalize_gm  # Dynamo only when graphs are printed
+
     region_ids = {} if region_ids is None else region_ids
     nodes = {n.name: n for n in gm.graph.nodes}
     lines = []
@@ -71,19 +75,10 @@ def module_of_source(source: str) -> str:
 
 
 def saved_table(report: Report, symbols: "SymbolRenamer | None" = None) -> str:
-    """The saved set as a stable table: one row per tensor, then totals, recomputed ops and tags. Shapes go
-    through ``symbols`` (a :class:`SymbolRenamer`) before the columns are aligned."""
+    """The saved set as a stable table (the report's own rows, shapes through ``symbols``, file names
+    without line numbers), then recomputed ops, tags and planner decisions."""
     symbols = symbols or SymbolRenamer()
-    rows = [("name", "dtype[shape]", "bytes", "reason", "op", "module", "file")]
-    for s in report.saved:
-        rows.append((s.name, symbols(f"{s.dtype}[{', '.join(s.shape)}]"), str(s.bytes), s.reason, s.op,
-                     s.module or "<root>", module_of_source(s.source) or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(f"total: {len(report.saved)} tensors, {report.total_bytes} bytes"
-                 + (f", {report.saved_symints} symints" if report.saved_symints else ""))
-    for reason, b in report.bytes_by_reason().items():
-        lines.append(f"  {reason}: {b} bytes")
+    lines = _saved_rows(report, shape=symbols, source=module_of_source, source_header="file")
     lines.append("# recomputed in backward")
     lines.extend(f"{op} x{n}" for op, n in sorted(report.recomputed.items()))
     if not report.recomputed:
@@ -93,6 +88,9 @@ def saved_table(report: Report, symbols: "SymbolRenamer | None" = None) -> str:
         lines.append(f"{t['tag']} {t['name']} {t['op']} <- {t['selector']} ({t['module'] or '<root>'})")
     if not report.tagged:
         lines.append("none")
+    if report.decisions:
+        lines.append("# planned")
+        lines.extend(f"{d.action} {d.name} {d.op} {d.bytes}" for d in report.decisions)
     if report.unmatched:
         lines.append("# unmatched selectors")
         lines.extend(report.unmatched)

@@ -15,72 +15,37 @@ import json
 import re
 from typing import Any
 
-import torch
 import torch.fx
 
-from .report import Report, dtype_text
+from .nodes import code_line, module_path, op_name, recomputed_names, source_of, tag_name, value_text
+from .report import Report
 
 __all__ = ["graph_view", "view_from_report", "render_html", "VIEW_VERSION"]
 
-VIEW_VERSION = 1
-_DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
-                "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b8",
-                "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+VIEW_VERSION = 2  # 2: nodes carry "reason" (why saved) and "offload"
 
 
-def _value_text(val: Any) -> str:
-    if isinstance(val, torch.Tensor):
-        dt = dtype_text(val.dtype)
-        return f"{_DTYPE_SHORT.get(dt, dt)}[{', '.join(str(s) for s in val.shape)}]"
-    if isinstance(val, (list, tuple)):
-        return "(" + ", ".join(_value_text(v) for v in val) + ")"
-    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return f"Sym({val})"
-    return "" if val is None else type(val).__name__
-
-
-def _code_line(trace: str) -> str:
-    """The innermost source line of a node's stack trace (the line under the last ``File "..."``)."""
-    code = ""
-    seen_file = False
-    for line in trace.splitlines():
-        stripped = line.strip()
-        if stripped.startswith('File "'):
-            seen_file, code = True, ""
-        elif seen_file and stripped and not code and not set(stripped) <= set("^~ "):
-            code = stripped
-    return code
-
-
-def _module_of(node: torch.fx.Node) -> str:
-    from .selectors import _clean_path  # the same path cleaning the selectors match on
-
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    paths = [_clean_path(str(v[0])) for v in stack.values()]
-    return paths[-1] if paths else ""
-
-
-def _nodes(gm: torch.fx.GraphModule, saved: dict[str, int], must_save: dict[str, str], recomputed: set[str],
-           side: str) -> list[dict[str, Any]]:
-    from .passes.must_save import op_name_of, source_of
-
+def _nodes(gm: torch.fx.GraphModule, saved: dict[str, tuple[int, str]], tagged: dict[str, tuple[str, str]],
+           recomputed: set[str], side: str) -> list[dict[str, Any]]:
     out = []
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        tag = getattr(node.meta.get("recompute"), "name", None)
         is_saved = node.name in saved and (side == "forward" or node.op == "placeholder")
+        tag, selector = tagged.get(node.name, ("", ""))
         out.append({
             "name": node.name,
-            "op": "input" if node.op == "placeholder" else op_name_of(node),
-            "value": _value_text(node.meta.get("val")),
-            "module": _module_of(node),
+            "op": "input" if node.op == "placeholder" else op_name(node),
+            "value": value_text(node.meta.get("val")),
+            "module": module_path(node),
             "source": source_of(node),
-            "code": _code_line(node.meta.get("stack_trace") or ""),
-            "tag": tag or "",
-            "saved_bytes": saved[node.name] if is_saved else None,
-            "must_save": node.name in must_save,
-            "selector": must_save.get(node.name, ""),
+            "code": code_line(node),
+            "tag": tag_name(node) or "",
+            "saved_bytes": saved[node.name][0] if is_saved else None,
+            "reason": saved[node.name][1] if is_saved else "",
+            "must_save": tag == "MUST_SAVE",
+            "offload": tag == "MUST_CPU_OFFLOAD",
+            "selector": selector,
             "recomputed": node.name in recomputed,  # run in forward, run again in backward
         })
     return out
@@ -90,20 +55,20 @@ def _report_part(report: Report) -> dict[str, Any]:
     return {"graph": report.graph, "policy": report.policy, "torch_version": report.torch_version,
             "total_bytes": report.total_bytes, "saved_symints": report.saved_symints,
             "saved": [dict(s.__dict__, shape=list(s.shape)) for s in report.saved],
-            "recomputed": dict(report.recomputed), "violations": list(report.violations)}
+            "recomputed": dict(report.recomputed), "violations": list(report.violations),
+            "warnings": list(report.warnings)}
 
 
 def graph_view(result) -> dict[str, Any]:
     """What the page draws of one PartitionResult, as JSON-ready data (written to ``DIR/gN/graph.json``)."""
     report = result.report
-    saved = {s.name: s.bytes for s in report.saved}
-    must_save = {t["name"]: t["selector"] for t in report.tagged if t["tag"] == "MUST_SAVE"}
-    fw_calls = {n.name for n in result.forward.graph.nodes if n.op == "call_function"}
-    bw_calls = {n.name for n in result.backward.graph.nodes if n.op == "call_function"}
-    recomputed = fw_calls & bw_calls
+    saved = {s.name: (s.bytes, s.reason) for s in report.saved}
+    tagged = {t["name"]: (t["tag"], t["selector"]) for t in report.tagged
+              if t["tag"] in ("MUST_SAVE", "MUST_CPU_OFFLOAD")}
+    recomputed = recomputed_names(result.forward, result.backward)
     return {"kind": "sacpass.graph_view", "version": VIEW_VERSION, **_report_part(report),
-            "forward": _nodes(result.forward, saved, must_save, recomputed, "forward"),
-            "backward": _nodes(result.backward, saved, must_save, recomputed, "backward")}
+            "forward": _nodes(result.forward, saved, tagged, recomputed, "forward"),
+            "backward": _nodes(result.backward, saved, tagged, recomputed, "backward")}
 
 
 def view_from_report(report: Report) -> dict[str, Any]:
@@ -145,6 +110,8 @@ _PAGE = """<!DOCTYPE html>
 <button id="collapse" type="button">collapse all</button>
 <span class="legend"><span class="badge saved">saved</span> forward output kept for backward
 <span class="badge must">must-save</span> tagged by sacpass
+<span class="badge discrete">discrete</span> a decision kept
+<span class="badge offload">offload</span> kept in host memory
 <span class="badge recomputed">recomputed</span> backward re-runs a forward op</span>
 </header>
 <main id="graphs"><noscript>This page draws the dump with JavaScript; the same data is in gN/report.json
@@ -167,7 +134,8 @@ section.graph h2 { font-size: 14px; margin: 6px 0; }
 .policy, .summary { color: #444; font-family: ui-monospace, monospace; font-size: 12px; }
 table.saved { border-collapse: collapse; margin: 6px 0; font-family: ui-monospace, monospace; font-size: 12px; }
 table.saved td, table.saved th { border: 1px solid #ddd; padding: 1px 6px; text-align: left; }
-tr.must-save td { background: #fff1c7; }
+tr.must-save td { background: #fff1c7; } tr.discrete td { background: #efe3ff; }
+tr.offload td { background: #dcecff; }
 .sides { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; }
 .side { min-width: 0; }
 .side h3 { font-size: 13px; margin: 4px 0; }
@@ -179,9 +147,12 @@ details.group > summary { cursor: pointer; padding: 2px 6px; font-family: ui-mon
   white-space: pre-wrap; overflow-wrap: anywhere; padding-left: 2em; }
 .node.saved { background: #e3f4e3; } .node.recomputed { background: #fde8e8; }
 .node.must-save { outline: 2px solid #e0a800; outline-offset: -2px; }
+.node.offload { background: #dcecff; outline: 2px dashed #2f6fd0; outline-offset: -2px; }
+.node.discrete { outline-color: #7d3cc8; }
 .badge { display: inline-block; border-radius: 3px; padding: 0 4px; margin-left: 4px; font-size: 11px; }
 .badge.saved { background: #3a8f3a; color: #fff; } .badge.must { background: #e0a800; color: #000; }
-.badge.recomputed { background: #c83a3a; color: #fff; } .badge.count { background: #eee; color: #333; }
+.badge.recomputed { background: #c83a3a; color: #fff; }
+.badge.offload { background: #2f6fd0; color: #fff; } .badge.discrete { background: #7d3cc8; color: #fff; } .badge.count { background: #eee; color: #333; }
 .hidden { display: none !important; }
 .violations { color: #b00; }
 """
@@ -214,18 +185,25 @@ _SCRIPT = r"""
     row.setAttribute("data-saved", n.saved_bytes === null ? "" : String(n.saved_bytes));
     row.setAttribute("data-must-save", n.must_save ? "1" : "0");
     row.setAttribute("data-recomputed", n.recomputed ? "1" : "0");
-    if (n.saved_bytes !== null) row.classList.add("saved");
+    if (n.saved_bytes !== null) row.classList.add(n.reason === "offload" ? "offload" : "saved");
     if (n.must_save) row.classList.add("must-save");
+    if (n.offload) row.classList.add("offload");
+    if (n.reason === "discrete") row.classList.add("discrete");
     if (n.recomputed) row.classList.add("recomputed");
     row.appendChild(el("span", "name", n.name));
     row.appendChild(document.createTextNode(" = "));
     row.appendChild(el("span", "op", n.op));
     if (n.value) { row.appendChild(document.createTextNode(" ")); row.appendChild(el("span", "value", n.value)); }
-    if (n.saved_bytes !== null) row.appendChild(badge("saved", "saved " + bytes(n.saved_bytes)));
+    if (n.saved_bytes !== null) {
+      if (n.reason === "offload") row.appendChild(badge("offload", "offloaded " + bytes(n.saved_bytes) + " to host"));
+      else row.appendChild(badge("saved", "saved " + bytes(n.saved_bytes) + (n.reason ? " \u00b7 " + n.reason : "")));
+    }
+    if (n.reason === "discrete") row.appendChild(badge("discrete", "discrete decision"));
     if (n.must_save) row.appendChild(badge("must", "must-save \u00b7 " + (n.module || "<root>")));
+    if (n.offload) row.appendChild(badge("offload", "offload \u00b7 " + (n.module || "<root>")));
     if (n.recomputed) row.appendChild(badge("recomputed", side === "forward" ? "recomputed in backward" : "recomputed"));
     if (n.tag && n.tag !== "PREFER_RECOMPUTE") row.appendChild(badge("count", n.tag));
-    if (n.must_save && (n.code || n.source)) {
+    if ((n.must_save || n.offload) && (n.code || n.source)) {
       row.appendChild(el("span", "code", (n.source ? n.source + "  " : "") + n.code));
     }
     row.title = [n.module || "<root>", n.source, n.code].filter(Boolean).join("  |  ");
@@ -249,7 +227,7 @@ _SCRIPT = r"""
       det.setAttribute("data-module", module);
       const sum = el("summary", null, module);
       const nSaved = members.filter(n => n.saved_bytes !== null).length;
-      const nMust = members.filter(n => n.must_save).length;
+      const nMust = members.filter(n => n.must_save || n.offload).length;
       const nRec = members.filter(n => n.recomputed).length;
       sum.appendChild(badge("count", members.length + " nodes"));
       if (nSaved) sum.appendChild(badge("saved", nSaved + " saved"));
@@ -269,7 +247,8 @@ _SCRIPT = r"""
     for (const h of ["name", "dtype[shape]", "bytes", "reason", "op", "module", "source"]) head.appendChild(el("th", null, h));
     t.appendChild(head);
     for (const s of g.saved) {
-      const tr = el("tr", s.reason === "must-save" ? "must-save" : null);
+      const cls = {"must-save": "must-save", "discrete": "discrete", "offload": "offload"}[s.reason] || null;
+      const tr = el("tr", cls);
       tr.setAttribute("data-name", s.name);
       for (const c of [s.name, s.dtype + "[" + s.shape.join(", ") + "]", bytes(s.bytes), s.reason, s.op,
                        s.module || "<root>", s.source || "-"]) tr.appendChild(el("td", null, c));
@@ -284,9 +263,12 @@ _SCRIPT = r"""
     sec.appendChild(el("h2", null, "graph " + g.graph));
     sec.appendChild(el("div", "policy", g.policy + "   (torch " + g.torch_version + ")"));
     const rec = Object.values(g.recomputed).reduce((a, b) => a + b, 0);
+    const host = g.saved.filter(s => s.reason === "offload").reduce((a, s) => a + s.bytes, 0);
     sec.appendChild(el("div", "summary", "saved " + g.saved.length + " tensors, " + bytes(g.total_bytes) +
-      " (" + g.total_bytes + " bytes); backward recomputes " + rec + " ops"));
+      " (" + g.total_bytes + " bytes" + (host ? "; " + bytes(host) + " of it on the host" : "") +
+      "); backward recomputes " + rec + " ops"));
     for (const v of g.violations) sec.appendChild(el("div", "violations", "violation: " + v));
+    for (const w of (g.warnings || [])) sec.appendChild(el("div", "violations", "warning: " + w));
     const det = el("details");
     det.appendChild(el("summary", null, "saved set (" + g.saved.length + ")"));
     det.appendChild(savedTable(g));

@@ -1,18 +1,20 @@
-"""Policies: which selected nodes are must-save and which are must-recompute.
+"""Policies: which joint-graph nodes are saved, offloaded or recomputed, and why.
 
-A :class:`Policy` is a frozen, hashable pair of selector tuples. Model code declares the ops it wants
-kept with :func:`register_must_save` where it defines them; the backend's default policy is
-:func:`registered_policy`. Explicit selectors (``save=``/``recompute=``) must match something in every
-compiled graph (strict mode); registered ones apply where the op appears.
+A :class:`Policy` is a frozen, hashable set of selector tuples. Model code declares the ops it wants kept
+with :func:`register_must_save` where it defines them. Precedence on one node, strongest first:
+explicit ``recompute`` > explicit ``offload`` > explicit ``save`` > registered > defaults (discrete decisions,
+functional collectives). Two explicit actions on one node are a :class:`~sacpass.PolicyConflictError`.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
 
-from .selectors import CollectiveSelector, Selector, SelectorLike, as_selector, as_selectors
+from .errors import PolicyConflictError
+from .selectors import (CollectiveSelector, DiscreteSelector, Selector, SelectorLike, as_selector,
+                        as_selectors)
 
-__all__ = ["Policy", "register_must_save", "registered_must_save", "registered_policy", "clear_registry"]
+__all__ = ["Policy", "register_must_save", "registered_must_save", "clear_registry"]
 
 _REGISTRY: list[Selector] = []
 
@@ -36,41 +38,60 @@ def clear_registry() -> None:
 
 @dataclass(frozen=True)
 class Policy:
-    """What the must-save pass tags. Hashable; its :meth:`cache_key` enters the compile caches."""
+    """What the tag pass does. Hashable; its :meth:`cache_key` enters the compile caches."""
 
     save: tuple[Selector, ...] = ()  # explicit must-save selectors (strict: must match)
     recompute: tuple[Selector, ...] = ()  # explicit must-recompute selectors (strict: must match)
+    offload: tuple[Selector, ...] = ()  # explicit offload-to-host selectors (strict: must match)
     registered: tuple[Selector, ...] = field(default=())  # from register_must_save (apply where present)
-    defaults: tuple[Selector, ...] = field(default=())  # saved where present, unless a recompute selector matches
+    defaults: tuple[Selector, ...] = field(default=())  # saved where present unless an explicit action wins
 
     @classmethod
     def build(cls, save: SelectorLike | list | None = None, recompute: SelectorLike | list | None = None,
-              use_registered: bool = True, save_collectives: bool = True) -> "Policy":
-        save_t, rec_t = as_selectors(save), as_selectors(recompute)
+              offload: SelectorLike | list | None = None, *, use_registered: bool = True,
+              save_collectives: bool = True, save_discrete: bool = True) -> "Policy":
+        save_t, rec_t, off_t = as_selectors(save), as_selectors(recompute), as_selectors(offload)
+        for a, an, b, bn in ((save_t, "save", rec_t, "recompute"), (save_t, "save", off_t, "offload"),
+                             (off_t, "offload", rec_t, "recompute")):
+            both = [str(s) for s in a if s in b]
+            if both:
+                raise PolicyConflictError(
+                    f"sacpass: selector(s) {', '.join(both)} appear in both {an}= and {bn}=; one value gets one "
+                    f"action. Remove it from one of {an}= / {bn}=, or narrow one with a module pattern "
+                    f"('<module>::ns::op').")
         reg = tuple(s for s in registered_must_save() if s not in save_t) if use_registered else ()
-        return cls(save_t, rec_t, reg, (CollectiveSelector(),) if save_collectives else ())
+        defaults = ((DiscreteSelector(),) if save_discrete else ()) + \
+            ((CollectiveSelector(),) if save_collectives else ())
+        return cls(save_t, rec_t, off_t, reg, defaults)
 
-    def all_save(self) -> tuple[Selector, ...]:
-        return self.save + self.registered
+    @property
+    def explicit(self) -> tuple[Selector, ...]:
+        """Selectors the user named: each must match where it can (strict)."""
+        return self.save + self.recompute + self.offload
+
+    @property
+    def empty(self) -> bool:
+        return not (self.explicit or self.registered or self.defaults)
 
     def cache_key(self) -> str | None:
         """A stable digest of the policy, or None when a predicate has no stable key (caches bypass)."""
         parts = []
-        for kind, sels in (("save", self.save), ("recompute", self.recompute), ("registered", self.registered),
-                           ("defaults", self.defaults)):
-            for s in sels:
-                key = getattr(s, "cache_key", "") if hasattr(s, "cache_key") else ""
-                if hasattr(s, "cache_key") and s.cache_key is None:
+        for kind in ("save", "recompute", "offload", "registered", "defaults"):
+            for s in getattr(self, kind):
+                key = getattr(s, "cache_key", "")
+                if key is None:
                     return None
                 parts.append(f"{kind}:{s}:{key}")
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
     def uncacheable(self) -> list[str]:
-        return [str(s) for s in self.save + self.recompute + self.registered
-                if getattr(s, "cache_key", "") is None]
+        return [str(s) for s in self.explicit + self.registered if getattr(s, "cache_key", "") is None]
 
     def __str__(self) -> str:
         def j(xs):
             return "[" + ", ".join(str(x) for x in xs) + "]"
-        text = f"Policy(save={j(self.save)}, recompute={j(self.recompute)}, registered={j(self.registered)}"
+        text = f"Policy(save={j(self.save)}, recompute={j(self.recompute)}"
+        if self.offload:
+            text += f", offload={j(self.offload)}"
+        text += f", registered={j(self.registered)}"
         return text + (f", defaults={j(self.defaults)})" if self.defaults else ")")

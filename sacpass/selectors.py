@@ -2,7 +2,8 @@
 
 A selector is a small frozen, hashable dataclass with ``__call__(node) -> bool``. Everything a user may
 pass as a selector (an OpOverload, an OpOverloadPacket, a string, a predicate) is turned into one by
-:func:`as_selector`, so policies are printable and enter compile-cache keys.
+:func:`as_selector`, so policies are printable and enter compile-cache keys. Selectors also answer for an
+op at run time (``matches_op``), which the eager checkpoint context (:mod:`sacpass.context`) uses.
 
 String forms::
 
@@ -12,7 +13,7 @@ String forms::
     "layers.*.self_attn.indexer::aten::topk"   an op inside modules whose path matches the glob
     "GlmMoeDsaIndexer::aten.topk"              an op inside modules of that class
 
-Module paths are relative to the module given to ``torch.compile`` (dynamo's ``nn_module_stack``).
+Module paths are relative to the module given to ``torch.compile`` (Dynamo's ``nn_module_stack``).
 """
 from __future__ import annotations
 
@@ -20,95 +21,49 @@ import difflib
 import fnmatch
 import hashlib
 import inspect
-import operator
-import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 import torch.fx
 
-from .errors import SelectorError, UnknownOpError
+from .errors import SelectorError, UnknownOpError, warn
+from .nodes import module_stack, node_op
 
 __all__ = [
-    "OpSelector", "ModuleOpSelector", "PredicateSelector", "CollectiveSelector", "Selector", "SelectorLike",
-    "as_selector", "as_selectors", "node_op", "module_path_of", "module_stack_of",
+    "OpSelector", "ModuleOpSelector", "PredicateSelector", "CollectiveSelector", "DiscreteSelector",
+    "Selector", "SelectorLike", "as_selector", "as_selectors", "DISCRETE_OPS", "VALUE_INDEX_OPS", "is_discrete_op",
 ]
 
 
-# --------------------------------------------------------------------------- nodes -> ops
-_WRAPPER_ARG = {}  # higher-order wrapper -> index of the wrapped op in node.args
-
-
-def _wrappers() -> dict:
-    if not _WRAPPER_ARG:
-        hop = torch.ops.higher_order
-        for name, idx in (("auto_functionalized", 0), ("auto_functionalized_v2", 0), ("with_effects", 1)):
-            if hasattr(hop, name):
-                _WRAPPER_ARG[getattr(hop, name)] = idx
-    return _WRAPPER_ARG
-
-
-def node_op(node: torch.fx.Node) -> torch._ops.OpOverload | None:
-    """The ATen/custom OpOverload a node computes, looking through auto_functionalized/with_effects."""
-    if node.op != "call_function":
-        return None
-    target = node.target
-    idx = _wrappers().get(target)
-    if idx is not None and len(node.args) > idx:
-        target = node.args[idx]
-    return target if isinstance(target, torch._ops.OpOverload) else None
-
-
-_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
-_SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]")
-
-
-def _clean_path(path: str) -> str:
-    path = _ROOT.sub("", path)
-    path = _SUBSCRIPT.sub(r".\1", path)
-    path = path.replace("._modules.", ".")
-    return path.strip(".")
-
-
-def module_stack_of(node: torch.fx.Node) -> list[tuple[str, str]]:
-    """[(module path relative to the compiled root, class name)], outermost first."""
-    stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for value in stack.values():
-        path, cls = value[0], value[1]
-        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
-        out.append((_clean_path(str(path)), name))
-    return out
-
-
-def module_path_of(node: torch.fx.Node) -> str:
-    """Innermost module path of a node ('' for the compiled root or when unknown)."""
-    stack = module_stack_of(node)
-    return stack[-1][0] if stack else ""
-
-
 # --------------------------------------------------------------------------- op names
-def _all_op_names() -> list[str]:
-    return sorted(set(torch._C._dispatch_get_all_op_names()))
+def _all_op_names() -> set[str]:
+    return set(torch._C._dispatch_get_all_op_names())
+
+
+def _short_names() -> set[str]:
+    return {n.split(".")[0] for n in _all_op_names()}
 
 
 def _closest(name: str) -> list[str]:
-    names = _all_op_names()
-    short = {n.split(".")[0] for n in names}
-    close = difflib.get_close_matches(name, sorted(short), n=5, cutoff=0.6)
+    short = sorted(_short_names())
+    close = difflib.get_close_matches(name, short, n=5, cutoff=0.6)
     if not close and "::" in name:  # try the bare op name across namespaces
         bare = name.split("::", 1)[1]
-        close = [n for n in sorted(short) if n.split("::", 1)[1] == bare][:5]
+        close = [n for n in short if n.split("::", 1)[1] == bare][:5]
     return close
 
 
+def _op_exists(ns: str, name: str) -> bool:
+    """Whether ``ns::name`` is a registered op. Asks the dispatcher's name table, never ``torch.ops``
+    (whose attribute access creates a namespace for any spelling)."""
+    if not (ns.isidentifier() and name.isidentifier()):
+        return False
+    return f"{ns}::{name}" in _short_names()
+
+
 def _returns_tensor(schema) -> bool:
-    for ret in schema.returns:
-        t = str(ret.type)
-        if "Tensor" in t:
-            return True
-    return False
+    return any("Tensor" in str(ret.type) for ret in schema.returns)
 
 
 def _returns_mutated_input(schema) -> bool:
@@ -133,7 +88,11 @@ def _check_taggable(op: torch._ops.OpOverload, spelled: str) -> None:
             f"there is nothing to save. Select the op that produces the tensor you want kept.")
 
 
-def _parse_op_name(spelled: str) -> tuple[str, str, str | None]:
+def _looks_like_module(ns: str) -> bool:
+    return not ns.isidentifier()
+
+
+def _parse_op_name(spelled: str, quoted: str) -> tuple[str, str, str | None]:
     """'ns::op', 'ns::op.overload', 'ns.op', 'ns.op.overload' -> (ns, op, overload|None)."""
     if "::" in spelled:
         ns, rest = spelled.split("::", 1)
@@ -142,21 +101,13 @@ def _parse_op_name(spelled: str) -> tuple[str, str, str | None]:
         parts = spelled.split(".")
         if len(parts) < 2:
             raise SelectorError(
-                f"sacpass: cannot read op selector {spelled!r}; write 'namespace::op', "
+                f"sacpass: cannot read op selector {quoted!r}; write 'namespace::op', "
                 f"'namespace::op.overload' or 'namespace.op' (e.g. 'aten::topk').")
         ns, name = parts[0], parts[1]
         overload = ".".join(parts[2:])
     if not ns or not name or "::" in name:
-        raise SelectorError(f"sacpass: cannot read op selector {spelled!r}; write e.g. 'aten::topk'.")
+        raise SelectorError(f"sacpass: cannot read op selector {quoted!r}; write e.g. 'aten::topk'.")
     return ns, name, (overload or None)
-
-
-def _op_exists(ns: str, name: str) -> bool:
-    try:
-        packet = getattr(getattr(torch.ops, ns), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return isinstance(packet, torch._ops.OpOverloadPacket)
 
 
 # --------------------------------------------------------------------------- selectors
@@ -168,27 +119,32 @@ class OpSelector:
     overload: str | None = None  # None: every functional overload of the packet
 
     @classmethod
-    def from_spelling(cls, spelled: str) -> "OpSelector":
-        ns, name, overload = _parse_op_name(spelled)
+    def from_spelling(cls, spelled: str, *, quoted: str | None = None) -> "OpSelector":
+        """Parse ``spelled``; errors quote ``quoted`` (the whole selector the user wrote)."""
+        quoted = quoted or spelled
+        ns, name, overload = _parse_op_name(spelled, quoted)
         qual = f"{ns}::{name}"
         if not _op_exists(ns, name):
+            if _looks_like_module(ns):
+                raise UnknownOpError(
+                    f"sacpass: selector {quoted!r} reads as module pattern {ns!r} and op {name!r}, but an op "
+                    f"needs its namespace: write '{ns}::aten::{name}' (or the op's own namespace, e.g. "
+                    f"'{ns}::mylib::{name}').")
             close = _closest(qual)
             hint = f" Closest registered ops: {', '.join(close)}." if close else ""
             raise UnknownOpError(
-                f"sacpass: selector {spelled!r} names op {qual}, which is not registered.{hint} "
+                f"sacpass: selector {quoted!r} names op {qual}, which is not registered.{hint} "
                 f"Import the module that defines the op before building the policy, or fix the name.")
         sel = cls(qual, overload)
-        sel.overloads(spelled)  # validates the overload and the schema
+        sel.overloads(quoted)  # validates the overload and the schema
         return sel
 
     @classmethod
     def from_op(cls, op: Any) -> "OpSelector":
         if isinstance(op, torch._ops.OpOverload):
             sel = cls(op._schema.name, op._overloadname or "default")
-        elif isinstance(op, torch._ops.OpOverloadPacket):
+        else:
             sel = cls(op._qualified_op_name, None)
-        else:  # pragma: no cover - guarded by as_selector
-            raise SelectorError(f"sacpass: {op!r} is not an op")
         sel.overloads(str(op))
         return sel
 
@@ -216,7 +172,7 @@ class OpSelector:
             _check_taggable(ops[0], spelled)  # raises with the reason
         return functional
 
-    def matches_op(self, op: torch._ops.OpOverload | None) -> bool:
+    def matches_op(self, op: torch._ops.OpOverload | None, modules: Sequence[tuple[str, str]] = ()) -> bool:
         if op is None or op._schema.name != self.qualname:
             return False
         return self.overload is None or (op._overloadname or "default") == self.overload
@@ -235,14 +191,15 @@ class ModuleOpSelector:
     module: str  # glob on the module path (relative to the compiled root) or a class name
     op: OpSelector
 
-    def matches_module(self, node: torch.fx.Node) -> bool:
-        for path, cls in module_stack_of(node):
-            if cls == self.module or fnmatch.fnmatchcase(path, self.module):
-                return True
-        return False
+    def matches_module(self, modules: Sequence[tuple[str, str]]) -> bool:
+        """Whether a module stack [(path, class name)] passes through a module this selector names."""
+        return any(cls == self.module or fnmatch.fnmatchcase(path, self.module) for path, cls in modules)
+
+    def matches_op(self, op: torch._ops.OpOverload | None, modules: Sequence[tuple[str, str]] = ()) -> bool:
+        return self.op.matches_op(op) and self.matches_module(modules)
 
     def __call__(self, node: torch.fx.Node) -> bool:
-        return self.op(node) and self.matches_module(node)
+        return self.op(node) and self.matches_module(module_stack(node))
 
     def __str__(self) -> str:
         return f"{self.module}::{self.op}"
@@ -267,6 +224,9 @@ class PredicateSelector:
                 key = None
         return cls(fn, name, None if key is None else str(key))
 
+    def matches_op(self, op, modules=()) -> bool:
+        return False  # a node predicate has no answer for an op at run time (see sacpass.context)
+
     def __call__(self, node: torch.fx.Node) -> bool:
         return bool(self.fn(node))
 
@@ -282,16 +242,74 @@ class CollectiveSelector:
     everything; this selector restores "a collective is never replayed in backward" inside checkpoints.
     """
 
-    def __call__(self, node: torch.fx.Node) -> bool:
-        op = node_op(node)
+    def matches_op(self, op, modules=()) -> bool:
         return op is not None and op.namespace == "_c10d_functional" and \
             op._schema.name != "_c10d_functional::wait_tensor"
+
+    def __call__(self, node: torch.fx.Node) -> bool:
+        return self.matches_op(node_op(node))
 
     def __str__(self) -> str:
         return "collectives(_c10d_functional)"
 
 
-Selector = Union[OpSelector, ModuleOpSelector, PredicateSelector, CollectiveSelector]
+# Discrete selection ops of ATen: they return integer indices chosen by comparing floating-point values.
+DISCRETE_OPS = ("topk", "sort", "argsort", "argmax", "argmin", "max", "min", "kthvalue", "mode", "median",
+                "nanmedian", "cummax", "cummin", "searchsorted", "bucketize")
+# discrete ops returning (values, indices): the values are the input's elements at the indices along ``dim``;
+# "same": indices shaped like the values; "reduce": the dim is reduced (kept with keepdim=True)
+VALUE_INDEX_OPS = {"aten::topk": "same", "aten::sort": "same", "aten::cummax": "same", "aten::cummin": "same",
+                   "aten::max": "reduce", "aten::min": "reduce", "aten::kthvalue": "reduce", "aten::mode": "reduce",
+                   "aten::median": "reduce", "aten::nanmedian": "reduce"}
+_SKIP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "higher_order", "ao",
+                              "sacpass"})
+
+
+def _is_int(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def is_discrete_op(op: torch._ops.OpOverload | None, inputs: Sequence[Any], outputs: Any) -> bool:
+    """A discrete decision: an ATen selection op (``DISCRETE_OPS``: top-k, sort/argsort, argmax, ...) with an
+    integer output, or a custom op that returns an integer tensor computed from a floating-point input."""
+    if op is None or op.namespace in _SKIP_NAMESPACES - {"aten"}:
+        return False
+    if not any(_is_int(t.dtype) for t in _tensors(outputs)):
+        return False
+    if op.namespace == "aten":
+        return op._schema.name.split("::", 1)[1] in DISCRETE_OPS
+    return any(t.dtype.is_floating_point for t in _tensors(list(inputs)))
+
+
+@dataclass(frozen=True)
+class DiscreteSelector:
+    """Discrete decisions (top-k, sort, argmax, a router's expert choice, integer-valued custom ops):
+    recomputing one in the backward can decide differently from the forward. Saved by default
+    (``save_discrete=True``); an explicit ``recompute=`` selector overrides it for its ops."""
+
+    def __call__(self, node: torch.fx.Node) -> bool:
+        op = node_op(node)
+        if op is None:
+            return False
+        inputs = [a.meta.get("val") for a in node.all_input_nodes]
+        return is_discrete_op(op, inputs, node.meta.get("val"))
+
+    def matches_op(self, op, modules=()) -> bool:  # run time: decided with the op's values (sacpass.context)
+        return False
+
+    def __str__(self) -> str:
+        return "discrete"
+
+
+Selector = Union[OpSelector, ModuleOpSelector, PredicateSelector, CollectiveSelector, DiscreteSelector]
 SelectorLike = Union[Selector, str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, Callable[[torch.fx.Node], bool]]
 
 
@@ -302,25 +320,26 @@ def _from_string(spelled: str) -> Selector:
         return OpSelector.from_spelling(spelled)
     if len(parts) == 2:
         ns, rest = parts
-        if _op_exists(ns, rest.split(".")[0]):
+        if _op_exists(ns, rest.split(".")[0]) or "." not in rest:
+            # 'ns::op[.overload]', or an unknown 'ns::op' (reported as such, never read as a module pattern)
             return OpSelector.from_spelling(spelled)
-        if "." not in rest:
-            # 'ns::op' where the op does not exist: an unknown op, not a module pattern.
-            return OpSelector.from_spelling(spelled)
-        return ModuleOpSelector(ns, OpSelector.from_spelling(rest))
+        return ModuleOpSelector(ns, OpSelector.from_spelling(rest, quoted=spelled))
     if len(parts) == 3:
         module, ns, rest = parts
         if not module:
             raise SelectorError(f"sacpass: selector {spelled!r} has an empty module pattern before '::'.")
-        return ModuleOpSelector(module, OpSelector.from_spelling(f"{ns}::{rest}"))
+        return ModuleOpSelector(module, OpSelector.from_spelling(f"{ns}::{rest}", quoted=spelled))
     raise SelectorError(
         f"sacpass: cannot read selector {spelled!r}; write 'ns::op', 'ns::op.overload', 'ns.op' or "
         f"'<module glob or class>::ns::op'.")
 
 
+_SELECTOR_TYPES = (OpSelector, ModuleOpSelector, PredicateSelector, CollectiveSelector, DiscreteSelector)
+
+
 def as_selector(x: SelectorLike) -> Selector:
     """Turn anything accepted as a selector into a hashable selector object."""
-    if isinstance(x, (OpSelector, ModuleOpSelector, PredicateSelector, CollectiveSelector)):
+    if isinstance(x, _SELECTOR_TYPES):
         return x
     if isinstance(x, str):
         return _from_string(x)
@@ -329,7 +348,12 @@ def as_selector(x: SelectorLike) -> Selector:
     if isinstance(x, torch._ops.HigherOrderOperator):
         raise SelectorError(f"sacpass: {x!r} is a higher-order operator; select the op it wraps instead.")
     if callable(x):
-        return PredicateSelector.from_callable(x)
+        sel = PredicateSelector.from_callable(x)
+        if sel.cache_key is None:
+            warn(f"sacpass: predicate selector {sel.name} has no stable cache key (a lambda or closure); the "
+                 f"FX-graph and AOTAutograd caches are bypassed for backends using it. Give the predicate a "
+                 f"`cache_hash` attribute (a string that changes when its logic does) to cache.")
+        return sel
     raise SelectorError(
         f"sacpass: {x!r} ({type(x).__name__}) is not a selector; pass an op (torch.ops.ns.op[.overload]), "
         f"a string such as 'aten::topk', or a predicate taking a torch.fx.Node.")
@@ -338,7 +362,8 @@ def as_selector(x: SelectorLike) -> Selector:
 def as_selectors(xs: SelectorLike | Iterable[SelectorLike] | None) -> tuple[Selector, ...]:
     if xs is None:
         return ()
-    if isinstance(xs, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or callable(xs) and not isinstance(xs, (list, tuple)):
+    if isinstance(xs, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or \
+            callable(xs) and not isinstance(xs, (list, tuple)):
         xs = [xs]
     out: list[Selector] = []
     for x in xs:
@@ -346,7 +371,3 @@ def as_selectors(xs: SelectorLike | Iterable[SelectorLike] | None) -> tuple[Sele
         if s not in out:
             out.append(s)
     return tuple(out)
-
-
-def is_getitem(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem

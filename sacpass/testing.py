@@ -13,6 +13,7 @@ torch version the test is skipped (the partitioner and node naming change betwee
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import os
@@ -23,7 +24,7 @@ import torch
 from .graphs import graph_text, report_text
 from .report import Report
 
-__all__ = ["assert_graphs_match", "golden_text", "expected_path", "ACCEPT_ENV", "OpCounter"]
+__all__ = ["assert_graphs_match", "golden_text", "expected_path", "ACCEPT_ENV", "OpCounter", "no_compile_caches"]
 
 ACCEPT_ENV = "EXPECTTEST_ACCEPT"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -34,6 +35,7 @@ _HOWTO = "# regenerate: EXPECTTEST_ACCEPT=1 pytest <this test>"
 
 def golden_text(obj) -> str:
     """The normalised text of a Backend (every graph it compiled), a PartitionResult or a Report."""
+    __tracebackhide__ = True
     from .backend import Backend
     from .partitioner import PartitionResult
 
@@ -45,19 +47,34 @@ def golden_text(obj) -> str:
         if not obj.reports:
             raise ValueError("sacpass.testing: the backend has compiled nothing yet; run the compiled model "
                              "forward and backward before comparing its graphs.")
-        by_graph = {r.report.graph: r for r in obj.results}
+        cached = [r.graph for r in obj.reports if r.from_cache]
+        if cached:
+            raise GoldenFromCacheError(
+                f"sacpass.testing: graph(s) {', '.join(cached)} came from PyTorch's AOTAutograd cache, so their "
+                f"forward and backward graphs were never built in this process and cannot be compared or written. "
+                f"Compile the model under `with sacpass.testing.no_compile_caches():` (or set "
+                f"torch._functorch.config.enable_autograd_cache=False and "
+                f"torch._inductor.config.fx_graph_cache=False), call torch._dynamo.reset(), and run again.")
         region_ids: dict = {}  # one renumbering of checkpoint regions over the whole backend
-        parts = []
-        for report in obj.reports:
-            result = by_graph.get(report.graph)
-            if result is not None and result.report is report:
-                parts.append(graph_text(result, region_ids=region_ids))
-            else:  # rebuilt from the compile cache: the graphs themselves were never seen in this process
-                parts.append(report_text(report) + "# (graphs not available: compile-cache hit; disable the "
-                                                   "FX-graph/AOTAutograd caches for golden tests)\n")
-        return "\n".join(parts)
+        return "\n".join(graph_text(result, region_ids=region_ids) for result in obj.results)
     raise TypeError(f"sacpass.testing: cannot compare {type(obj).__name__!r}; pass a sacpass Backend, a "
                     f"PartitionResult (backend.results[i]) or a Report (backend.reports[i]).")
+
+
+class GoldenFromCacheError(AssertionError):
+    """The graphs to compare were served by a compile cache; there is nothing to compare."""
+
+
+@contextlib.contextmanager
+def no_compile_caches():
+    """Compile with the FX-graph and AOTAutograd caches off, so every partition runs (and a golden test sees
+    its graphs). Use around the first call of the compiled model."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 def _caller_dir() -> str:
@@ -111,7 +128,9 @@ def _split(text: str) -> tuple[str | None, str]:
 def assert_graphs_match(name: str, obj, *, directory: str | os.PathLike | None = None) -> None:
     """Compare the normalised graphs of ``obj`` (a Backend, PartitionResult or Report) with the golden file
     ``name``. ``EXPECTTEST_ACCEPT=1`` writes the file instead; a mismatch raises AssertionError with a
-    unified diff; a file made under another torch version skips the test."""
+    unified diff; a file made under another torch version skips the test. Graphs served by a compile cache
+    are refused (:class:`GoldenFromCacheError`), in both modes: compile under :func:`no_compile_caches`."""
+    __tracebackhide__ = True  # pytest shows the caller's line and the diff, not this helper's source
     path = expected_path(name, directory)
     actual = golden_text(obj)
     accept = os.environ.get(ACCEPT_ENV, "") not in ("", "0")

@@ -24,7 +24,7 @@ def _run(model: torch.nn.Module, be: sacpass.Backend) -> sacpass.Backend:
 def toy_dump(directory: str | os.PathLike, *, policy: bool = True) -> sacpass.Backend:
     """The toy layer dumped into ``directory``: with the top-k kept (policy) or PyTorch's own partition."""
     torch.manual_seed(0)
-    be = sacpass.backend(save=[TOY_TOPK] if policy else None, inner="aot_eager", use_registered=False,
+    be = sacpass.backend(save=[TOY_TOPK] if policy else None, inner="aot_eager", use_registered=False, save_discrete=False,
                          dump_dir=directory)
     return _run(ToyLayer(), be)
 
@@ -32,5 +32,5 @@ def toy_dump(directory: str | os.PathLike, *, policy: bool = True) -> sacpass.Ba
 def xss_dump(directory: str | os.PathLike) -> sacpass.Backend:
     """A layer whose must-save op's source line contains ``</script><script>...`` (xss_layer.PAYLOAD)."""
     torch.manual_seed(0)
-    be = sacpass.backend(save=[TOY_TOPK], inner="aot_eager", use_registered=False, dump_dir=directory)
+    be = sacpass.backend(save=[TOY_TOPK], inner="aot_eager", use_registered=False, save_discrete=False, dump_dir=directory)
     return _run(EvilLayer(), be)

@@ -60,6 +60,16 @@ def _topk(m, i, h, x):  # aten.topk: values carry gradient, indices gather
     return h + vals.mean(-1, keepdim=True) + 0.1 * torch.gather(h, -1, ids).sum(-1, keepdim=True)
 
 
+def _argsort(m, i, h, x):  # aten.sort through argsort: a permutation the backward reads (gather)
+    order = torch.argsort(h, dim=-1)
+    return torch.gather(h, -1, order) * 0.5 + h
+
+
+def _maxdim(m, i, h, x):  # aten.max.dim: values carry gradient to the argmax
+    vals, _ = h.max(-1, keepdim=True)
+    return h + vals
+
+
 def _pair(m, i, h, x):  # the multi-output custom op: (values, int32 ids)
     vals, ids = torch.ops.sacpass_toy.topk_pair(h, K)
     return h * vals.mean(-1, keepdim=True).sigmoid() + 0.01 * ids.float().mean()
@@ -85,7 +95,7 @@ def _inplace(m, i, h, x):  # in-place ops on an intermediate
 
 STEPS = {
     "mm": _mm, "sin": _sin, "gelu": _gelu, "tanh": _tanh, "rmsnorm": _rmsnorm, "amax": _amax, "view": _view,
-    "cast": _cast, "topk": _topk, "pair": _pair, "nograd_ids": _nograd_ids, "dropout": _dropout,
+    "cast": _cast, "topk": _topk, "argsort": _argsort, "maxdim": _maxdim, "pair": _pair, "nograd_ids": _nograd_ids, "dropout": _dropout,
     "inplace": _inplace,
 }
 RANDOM_STEPS = frozenset({"dropout"})
@@ -94,20 +104,23 @@ RANDOM_STEPS = frozenset({"dropout"})
 STEP_OPS = {
     "mm": ("aten::mm",), "sin": ("aten::sin",), "gelu": ("aten::gelu",), "tanh": ("aten::tanh",),
     "rmsnorm": ("aten::rsqrt", "aten::mean"), "amax": ("aten::amax",), "view": ("aten::clone",),
-    "cast": ("aten::_to_copy",), "topk": ("aten::topk", "aten::gather"), "pair": ("sacpass_toy::topk_pair",),
+    "cast": ("aten::_to_copy",), "topk": ("aten::topk", "aten::gather"), "argsort": ("aten::sort", "aten::gather"),
+    "maxdim": ("aten::max",), "pair": ("sacpass_toy::topk_pair",),
     "nograd_ids": ("sacpass_toy::topk_ids", "aten::index"), "dropout": ("aten::native_dropout",),
     "inplace": ("aten::add",),
 }
 # Selectors a step puts in the graph that must be refused when selected to save (views).
 STEP_VIEWS = {"view": ("aten::transpose",)}
 # Ops no program here runs: selecting one is an unmatched selector.
-ABSENT_OPS = ("aten::cumsum", "aten::sort")
+ABSENT_OPS = ("aten::cumsum", "aten::kthvalue")
+# Discrete decisions among them: saved by sacpass's default (save_discrete=True) unless a recompute= names them.
+DISCRETE_OPS = frozenset({"aten::topk", "aten::sort", "aten::max", "sacpass_toy::topk_pair", "sacpass_toy::topk_ids"})
 
 # Ops whose backward formulas never call the op itself: any run of one during backward is a recomputation,
 # so their run-time count in backward must be 0 once they are must-save.
 COUNTABLE = frozenset({
     "aten::sin", "aten::gelu", "aten::tanh", "aten::rsqrt", "aten::mean", "aten::amax", "aten::topk",
-    "sacpass_toy::topk_pair", "sacpass_toy::topk_ids", "aten::native_dropout",
+    "aten::sort", "aten::max", "sacpass_toy::topk_pair", "sacpass_toy::topk_ids", "aten::native_dropout",
 })
 
 

@@ -37,7 +37,7 @@ def _toy(be: sacpass.Backend, *, dynamic: bool = False, **kw) -> sacpass.Backend
 
 
 def _aot(save=None, registered=False) -> sacpass.Backend:
-    return sacpass.backend(save=save, inner="aot_eager", use_registered=registered)
+    return sacpass.backend(save=save, inner="aot_eager", use_registered=registered, save_discrete=registered)
 
 
 # ------------------------------------------------------------------------------------------- GLM-5.2 tiny

@@ -55,7 +55,11 @@ def test_higher_order_operator_as_selector():
 
 
 def test_conflict_message_names_the_fix():
-    _, model = compile_program(Program(("mm", "sin"), ((0, 2),)), save=["aten::sin"], recompute=["aten::sin"])
+    # the same selector in two lists is refused when the backend is built
+    with pytest.raises(sacpass.PolicyConflictError, match=r"aten::sin.*Remove it from one of save= / recompute="):
+        compile_program(Program(("mm", "sin"), ((0, 2),)), save=["aten::sin"], recompute=["aten::sin"])
+    # two different selectors that meet on one node, when the graph is compiled
+    _, model = compile_program(Program(("mm", "sin"), ((0, 2),)), save=["aten::sin"], recompute=["aten::sin.default"])
     with pytest.raises(Exception) as info:
         model(torch.randn(8, 8, requires_grad=True))
     err = unwrap(info)

@@ -30,7 +30,7 @@ class GatheredKV(ToyLayer):
 
 
 def _compile_step(**kw):
-    be = sacpass.backend(inner="aot_eager", use_registered=False, save=["sacpass_toy::topk_ids"], **kw)
+    be = sacpass.backend(inner="aot_eager", use_registered=False, save_discrete=False, save=["sacpass_toy::topk_ids"], **kw)
     model = torch.compile(GatheredKV(), backend=be, fullgraph=True)
     model(torch.randn(16, 32, requires_grad=True)).sum().backward()
     return be.reports[0]

@@ -31,13 +31,13 @@ def test_toy_layer_topk_not_rerun_in_backward(inner):
     out_e, grads_e, _, bw_e = run_step(ref, x)
     assert bw_e == 1  # eager checkpoint re-runs the top-k
 
-    control = torch.compile(copy.deepcopy(ref), backend=sacpass.backend(inner=inner, use_registered=False),
+    control = torch.compile(copy.deepcopy(ref), backend=sacpass.backend(inner=inner, use_registered=False, save_discrete=False),
                             fullgraph=True)
     _, grads_c, fw_c, bw_c = run_step(control, x)
     assert (fw_c, bw_c) == (1, 1), "without a policy the compiled checkpoint replays the top-k"
 
     torch._dynamo.reset()
-    be = sacpass.backend(save=[TOPK], inner=inner, use_registered=False)
+    be = sacpass.backend(save=[TOPK], inner=inner, use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     out_s, grads_s, fw_s, bw_s = run_step(model, x)
     assert (fw_s, bw_s) == (1, 0)
@@ -80,7 +80,7 @@ def test_plain_aten_topk_by_module(selector):
     ref = ToyLayer(use_aten_topk=True)
     x = torch.randn(16, 32)
     _, grads_e, _, _ = run_step(ref, x)
-    be = sacpass.backend(save=[selector], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=[selector], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     xx = x.clone().requires_grad_(True)
     out = model(xx)
@@ -93,7 +93,7 @@ def test_plain_aten_topk_by_module(selector):
     assert [s.op for s in saved] == ["aten::topk.default"] and saved[0].dtype == "int64"
 
     torch._dynamo.reset()  # control: the same module without a policy replays aten.topk
-    model = torch.compile(copy.deepcopy(ref), backend=sacpass.backend(inner="aot_eager", use_registered=False))
+    model = torch.compile(copy.deepcopy(ref), backend=sacpass.backend(inner="aot_eager", use_registered=False, save_discrete=False))
     out = model(x.clone().requires_grad_(True))
     with OpCounter(torch.ops.aten.topk) as counter:
         out.square().sum().backward()
@@ -101,7 +101,7 @@ def test_plain_aten_topk_by_module(selector):
 
 
 def test_module_selector_does_not_match_other_modules():
-    be = sacpass.backend(save=["mlp::aten::topk"], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=["mlp::aten::topk"], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(ToyLayer(use_aten_topk=True), backend=be, fullgraph=True)
     with pytest.raises(Exception) as info:
         model(torch.randn(8, 32, requires_grad=True))
@@ -114,7 +114,7 @@ def test_back_to_back_regions():
     x = torch.randn(16, 32)
     _, grads_e, _, bw_e = run_step(ref, x)
     assert bw_e == 2
-    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     _, grads_s, fw, bw = run_step(model, x)
     assert (fw, bw) == (2, 0)
@@ -137,7 +137,7 @@ def test_nested_checkpoint():
     ref = Nested()
     x = torch.randn(16, 32)
     _, grads_e, _, _ = run_step(ref, x)
-    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     _, grads_s, fw, bw = run_step(model, x)
     assert (fw, bw) == (1, 0)
@@ -149,7 +149,7 @@ def test_no_checkpoint_at_all():
     x = torch.randn(16, 32)
     _, grads_e, _, bw_e = run_step(ref, x)
     assert bw_e == 0
-    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     _, grads_s, fw, bw = run_step(model, x)
     assert (fw, bw) == (1, 0)
@@ -163,7 +163,7 @@ def test_no_checkpoint_at_all():
 
 def test_dynamic_sequence_length_no_recompile():
     ref = ToyLayer()
-    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True, dynamic=True)
     for s in (16, 24, 40):
         x = torch.randn(s, 32)
@@ -194,7 +194,7 @@ def test_multi_output_op_tags_op_and_getitems():
     ref = Pair()
     x = torch.randn(12, 32)
     _, grads_e, _, _ = run_step(ref, x)
-    be = sacpass.backend(save=["sacpass_toy::topk_pair"], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=["sacpass_toy::topk_pair"], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     _, grads_s, fw, bw = run_step(model, x)
     assert (fw, bw) == (1, 0)
@@ -206,11 +206,11 @@ def test_multi_output_op_tags_op_and_getitems():
 def test_recompute_selector_forces_recompute():
     ref = ToyLayer(checkpointed=False)
     x = torch.randn(16, 32)
-    be0 = sacpass.backend(inner="aot_eager", use_registered=False)
+    be0 = sacpass.backend(inner="aot_eager", use_registered=False, save_discrete=False)
     torch.compile(copy.deepcopy(ref), backend=be0)(x.requires_grad_(True)).sum().backward()
     assert "aten::gelu.default" not in be0.reports[0].recomputed
     torch._dynamo.reset()
-    be = sacpass.backend(recompute=["aten::gelu"], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(recompute=["aten::gelu"], inner="aot_eager", use_registered=False, save_discrete=False)
     _, grads_e, _, _ = run_step(ref, x)
     model = torch.compile(copy.deepcopy(ref), backend=be)
     _, grads_s, _, _ = run_step(model, x)
@@ -240,7 +240,7 @@ def test_wrapped_ops(variant, op):
     x = torch.randn(16, 32)
     _, grads_e, _, _ = run_step(ref, x)
     assert float(ref.seen) in (0.0, 2.0)  # eager: forward + checkpoint replay (mutating variant)
-    be = sacpass.backend(save=[op], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=[op], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     seen_before = float(model.seen)
     _, grads_s, fw, bw = run_step(model, x)
@@ -282,7 +282,7 @@ def test_plain_checkpoint_recomputes_inside_autograd_functions():
     x = torch.randn(64, 256)
     xe = x.clone().requires_grad_()
     ref(xe).square().sum().backward()
-    be = sacpass.backend(inner="aot_eager", use_registered=False)
+    be = sacpass.backend(inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     xs = x.clone().requires_grad_()
     model(xs).square().sum().backward()
@@ -290,7 +290,7 @@ def test_plain_checkpoint_recomputes_inside_autograd_functions():
     mm = "glm52::fp8_blockwise_mm.default"
     assert report.recomputed.get(mm) == 1, report.format()
     assert not any(s.op.startswith("glm52::fp8") for s in report.saved), report.format()
-    assert report.routed_checkpoints == (["wrap_body_0"] if plain_checkpoint_misses_autograd_functions() else [])
+    assert report.routed_checkpoints == (("wrap_body_0",) if plain_checkpoint_misses_autograd_functions() else ())
     assert sacpass.Report.from_json(report.to_json()).routed_checkpoints == report.routed_checkpoints
     torch.testing.assert_close(xs.grad, xe.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(model.w.grad, ref.w.grad, rtol=1e-4, atol=1e-5)

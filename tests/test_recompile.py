@@ -25,7 +25,7 @@ PROGRAM = Program(("nograd_ids", "sin"), ((0, 2),))  # a custom top-k under no_g
 def compile_step(save=None, recompute=None, length=8, inner="inductor", strict=True, **compile_kw):
     """A fresh backend, one compiled forward + backward; returns (backend, top-k runs in backward)."""
     torch._dynamo.reset()
-    be = sacpass.backend(save=save, recompute=recompute, inner=inner, strict=strict, use_registered=False)
+    be = sacpass.backend(save=save, recompute=recompute, inner=inner, strict=strict, use_registered=False, save_discrete=False)
     model = torch.compile(FuzzModel(PROGRAM), backend=be, fullgraph=True, **compile_kw)
     out = model(torch.randn(length, D, requires_grad=True))
     n = TOY_TOPK_CALLS.count
@@ -42,7 +42,7 @@ def test_every_policy_knob_enters_the_cache_key(monkeypatch):
     """The backend's uuid (the key Inductor and AOTAutograd cache under) changes with every knob that
     changes what is saved, and only with those: equivalent spellings of one policy share it."""
     def uuid(**kw):
-        return sacpass.backend(use_registered=False, **kw).uuid
+        return sacpass.backend(use_registered=False, save_discrete=False, **kw).uuid
 
     base = uuid(save=[TOPK])
     same = [uuid(save=[torch.ops.sacpass_toy.topk_ids]), uuid(save=["sacpass_toy.topk_ids", TOPK]),
@@ -68,7 +68,7 @@ _CHILD = textwrap.dedent("""
     from toy import TOY_TOPK_CALLS
     with ic.patch(fx_graph_cache=True, fx_graph_remote_cache=False), fc.patch(enable_autograd_cache=True):
         # the packet spelling of the parent's "sacpass_toy::topk_ids": the same policy, the same key
-        be = sacpass.backend(save=[torch.ops.sacpass_toy.topk_ids], use_registered=False)
+        be = sacpass.backend(save=[torch.ops.sacpass_toy.topk_ids], use_registered=False, save_discrete=False)
         model = torch.compile(FuzzModel(Program(("nograd_ids", "sin"), ((0, 2),))), backend=be, fullgraph=True)
         out = model(torch.randn(8, D, requires_grad=True))
         n = TOY_TOPK_CALLS.count
@@ -104,7 +104,7 @@ def test_second_process_hits_the_shared_cache(fresh_cache):
 @pytest.mark.parametrize("how", ["mark_dynamic", "automatic"])
 def test_dynamic_lengths(how):
     """mark_dynamic: one compile serves every length; automatic dynamic: one static + one dynamic compile."""
-    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(FuzzModel(PROGRAM), backend=be, fullgraph=True)
     counters.clear()
     for length in (8, 12, 16, 20, 28):
@@ -126,7 +126,7 @@ def test_lambda_policy_bypasses_both_caches(fresh_cache):
     for attempt in range(2):
         counters.clear()
         with pytest.warns(sacpass.SacpassWarning, match="caches are bypassed.*cache_hash"):
-            be = sacpass.backend(save=[lambda n: "topk_ids" in n.name], use_registered=False)
+            be = sacpass.backend(save=[lambda n: "topk_ids" in n.name], use_registered=False, save_discrete=False)
         model = torch.compile(FuzzModel(PROGRAM), backend=be, fullgraph=True)
         out = model(torch.randn(8, D, requires_grad=True))
         n = TOY_TOPK_CALLS.count
@@ -145,7 +145,7 @@ def test_lambda_policy_bypasses_both_caches(fresh_cache):
     counters.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", sacpass.SacpassWarning)
-        be = sacpass.backend(save=[select], use_registered=False)
+        be = sacpass.backend(save=[select], use_registered=False, save_discrete=False)
     model = torch.compile(FuzzModel(PROGRAM), backend=be, fullgraph=True)
     model(torch.randn(8, D, requires_grad=True)).sum().backward()
     assert aot_counts().get("autograd_cache_saved") == 1, aot_counts()

@@ -1,5 +1,6 @@
-"""The sacpass partition function: tag, call PyTorch's min-cut, audit, report."""
-from .audit import audit_partition, build_report
-from .partition_fn import PartitionResult, SacpassPartitioner, partition
+"""The sacpass partition function: tag, call PyTorch's min-cut, offload, audit, report."""
+from .context import CompileContext, GraphIds, PartitionConfig, PartitionResult, active, current
+from .partition_fn import make_partitioner, partition
 
-__all__ = ["audit_partition", "build_report", "partition", "PartitionResult", "SacpassPartitioner"]
+__all__ = ["CompileContext", "GraphIds", "PartitionConfig", "PartitionResult", "active", "current",
+           "make_partitioner", "partition"]

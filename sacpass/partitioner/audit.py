@@ -1,112 +1,109 @@
-"""Audit a partition and describe it: which must-save nodes leaked into the backward, what is saved, why."""
+"""Audit a partition and describe it: what the backward still computes that it must not, what is saved, why.
+
+Reads the joint graph's :class:`~sacpass.nodes.NodeFacts` (taken before the min-cut), the forward and
+backward graphs, and the tag records; builds the one immutable :class:`~sacpass.report.Report`.
+"""
 from __future__ import annotations
 
-import dataclasses
-import operator
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
-from ..passes.must_save import TagResult, op_name_of, source_of
-from ..report import (GRAPH_INPUT, MIN_CUT, MUST_SAVE, PYTORCH_MUST_SAVE, Report, SavedTensor, dtype_text,
-                      shape_text, tensor_nbytes)
-from ..selectors import module_path_of
+from ..nodes import NodeFacts, dtype_text, op_name, recomputed_names, shape_text, tensor_nbytes, tag_name
+from ..report import GRAPH_INPUT, MIN_CUT, OFFLOAD, PYTORCH_MUST_SAVE, Decision, Report, SavedTensor
+from ..selectors import DiscreteSelector
+from ..passes.tag_policy import TagResult
 
-__all__ = ["JointNodeInfo", "snapshot_joint", "refresh_tags", "audit_partition", "build_report", "saved_despite_recompute"]
-
-_PASS_THROUGH = {  # ops through which a saved tensor still is "the must-save value"
-    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_to_copy", "aten::convert_element_type",
-    "prims::convert_element_type", "aten::clone", "aten::alias", "aten::unsqueeze", "aten::squeeze",
-    "aten::expand", "aten::permute", "aten::t", "aten::slice", "aten::select",
-}
+__all__ = ["Audit", "audit_partition", "describe_partition"]
 
 
 @dataclass(frozen=True)
-class JointNodeInfo:
-    """What the report needs of a joint-graph node, taken before the min-cut rewrites the graph."""
-
-    name: str
-    op: str
-    is_input: bool
-    module: str
-    source: str
-    recompute: str | None  # tag after the sacpass pass
-    parent: str | None  # first tensor input (to see through views and casts)
+class Audit:
+    violations: tuple[str, ...]  # must-save / offload values the partition did not honour (strict: raised)
+    warnings: tuple[str, ...]  # discrete decisions the backward recomputes (asked for), offloads not done
+    kept: tuple[str, ...]  # must-recompute values PyTorch saved anyway
 
 
-def snapshot_joint(gm: torch.fx.GraphModule) -> dict[str, JointNodeInfo]:
-    out = {}
-    for node in gm.graph.nodes:
-        tag = node.meta.get("recompute")
-        parent = next((a.name for a in node.all_input_nodes), None)
-        out[node.name] = JointNodeInfo(
-            name=node.name, op=op_name_of(node), is_input=node.op == "placeholder",
-            module=module_path_of(node), source=source_of(node),
-            recompute=getattr(tag, "name", None), parent=parent)
-    return out
-
-
-def refresh_tags(joint: dict[str, JointNodeInfo], gm: torch.fx.GraphModule) -> dict[str, JointNodeInfo]:
-    """The snapshot with each node's tag as the min-cut left it (it adds MUST_SAVE at region boundaries)."""
-    final = {n.name: getattr(n.meta.get("recompute"), "name", None) for n in gm.graph.nodes}
-    return {name: dataclasses.replace(info, recompute=final.get(name, info.recompute))
-            for name, info in joint.items()}
-
-
-def _call_names(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+def _calls(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     return {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
 
 
-def audit_partition(bw: torch.fx.GraphModule, tags: TagResult) -> list[str]:
-    """Must-save nodes that the backward graph still computes, described for the user."""
-    bw_nodes = _call_names(bw)
-    violations = []
-    for rec in tags.records:
-        if rec.tag == "MUST_SAVE" and rec.name in bw_nodes:
-            violations.append(
-                f"{rec.name} ({rec.op}, module {rec.module or '<root>'}, {rec.source or 'unknown source'}; "
-                f"selector {rec.selector}) is computed in the backward graph")
-    return violations
+def _where(facts: NodeFacts | None, name: str) -> str:
+    if facts is None:
+        return name
+    return f"{name} ({facts.op}, module {facts.module or '<root>'}, {facts.source or 'unknown source'})"
 
 
-def saved_despite_recompute(joint_gm: torch.fx.GraphModule, bw: torch.fx.GraphModule, tags: TagResult) -> list[str]:
-    """Nodes a must-recompute selector tagged that the forward saves anyway (read after the min-cut)."""
+def audit_partition(joint: torch.fx.GraphModule, facts: dict[str, NodeFacts], fw: torch.fx.GraphModule,
+                    bw: torch.fx.GraphModule, tags: TagResult, offloaded: dict[str, str]) -> Audit:
+    bw_calls = _calls(bw)
     bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
-    final = {n.name: n.meta.get("recompute") for n in joint_gm.graph.nodes}
-    out = []
+    violations, warnings, kept = [], [], []
     for rec in tags.records:
-        if rec.tag != "MUST_RECOMPUTE" or rec.selector.startswith("derived from") or rec.name not in bw_inputs:
-            continue
-        why = ("PyTorch turns a value one checkpoint region passes to a later one into MUST_SAVE"
-               if getattr(final.get(rec.name), "name", None) == "MUST_SAVE" else "the partitioner kept it")
-        out.append(f"{rec.name} ({rec.op}, selector {rec.selector}; {why})")
-    return out
+        if rec.tag in ("MUST_SAVE", "MUST_CPU_OFFLOAD") and rec.name in bw_calls:
+            violations.append(f"{_where(facts.get(rec.name), rec.name)} is computed in the backward graph "
+                              f"(selector {rec.selector})")
+        if rec.tag == "MUST_CPU_OFFLOAD" and rec.name in bw_inputs and rec.name not in offloaded:
+            violations.append(f"{_where(facts.get(rec.name), rec.name)} stays on the device between forward and "
+                              f"backward (selector {rec.selector}): it is also a forward output or not a dense "
+                              f"tensor")
+        if rec.tag == "MUST_RECOMPUTE" and not rec.selector.startswith("derived") and rec.name in bw_inputs:
+            why = ("PyTorch turns a value one checkpoint region passes to a later one into MUST_SAVE"
+                   if tag_name(_joint_node(joint, rec.name)) == "MUST_SAVE" else "the partitioner kept it")
+            kept.append(f"{rec.name} ({rec.op}, selector {rec.selector}; {why})")
+    discrete = DiscreteSelector()
+    joint_nodes = {n.name: n for n in joint.graph.nodes}
+    for name in sorted(recomputed_names(fw, bw)):
+        jn = joint_nodes.get(name)
+        if jn is not None and name in facts and discrete(jn):
+            warnings.append(f"the backward recomputes discrete decision {_where(facts[name], name)}: a recompute can "
+                            f"choose differently from the forward (drop its recompute= selector, or pass "
+                            f"save_discrete=True, to keep the forward's choice)")
+    return Audit(tuple(violations), tuple(warnings), tuple(kept))
 
 
-def _reason(name: str, joint: dict[str, JointNodeInfo], selector_of: dict[str, str]) -> tuple[str, str]:
-    info = joint.get(name)
-    if info is None:
-        return MIN_CUT, ""
-    if info.is_input:
-        return GRAPH_INPUT, ""
-    if name in selector_of:
-        return MUST_SAVE, selector_of[name]
-    # a view or cast of a must-save value carries the same reason
-    cur, hops = info, 0
-    while cur is not None and hops < 4 and cur.op.split(".")[0] in _PASS_THROUGH and cur.parent:
-        cur, hops = joint.get(cur.parent), hops + 1
-        if cur is not None and cur.name in selector_of:
-            return MUST_SAVE, selector_of[cur.name]
-    if info.recompute == "MUST_SAVE":
-        return PYTORCH_MUST_SAVE, ""
-    return MIN_CUT, ""
+def _joint_node(joint: torch.fx.GraphModule, name: str) -> torch.fx.Node | None:
+    return next((n for n in joint.graph.nodes if n.name == name), None)
 
 
-def build_report(graph_id: str, policy: str, joint: dict[str, JointNodeInfo], fw: torch.fx.GraphModule,
-                 bw: torch.fx.GraphModule, tags: TagResult, violations: list[str]) -> Report:
-    selector_of = {r.name: r.selector for r in tags.records if r.tag == "MUST_SAVE"}
+def _reasons(tags: TagResult, facts: dict[str, NodeFacts], final_tags: dict[str, str | None],
+             offloaded: dict[str, str]):
+    """A function: saved node name -> (reason, selector)."""
+    tagged = {r.name: (r.reason, r.selector, r.op) for r in tags.records
+              if r.tag in ("MUST_SAVE", "MUST_CPU_OFFLOAD")}
+
+    def reason(name: str) -> tuple[str, str, str | None]:
+        """(reason, selector, the op to name: a kept decision is named after the op that decided)."""
+        info = facts.get(name)
+        if info is None:
+            return MIN_CUT, "", None
+        if info.is_input:
+            return GRAPH_INPUT, "", None
+        if name in offloaded:
+            return OFFLOAD, offloaded[name], None
+        cur, hops = info, 0
+        while cur is not None:  # a view or cast of a tagged value carries its reason
+            if cur.name in tagged:
+                why, sel, op = tagged[cur.name]
+                return why, sel, (op if why == "discrete" else None)
+            if not cur.cast_or_view or not cur.parent or hops >= 4:
+                break
+            cur, hops = facts.get(cur.parent), hops + 1
+        if final_tags.get(name) == "MUST_SAVE":
+            return PYTORCH_MUST_SAVE, "", None
+        return MIN_CUT, "", None
+
+    return reason
+
+
+def describe_partition(graph_id: str, policy: str, facts: dict[str, NodeFacts], final_tags: dict[str, str | None],
+                       fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, tags: TagResult,
+                       offloaded: dict[str, str], audit: Audit, decisions: tuple[Decision, ...],
+                       routed: tuple[str, ...]) -> Report:
+    """The Report of one partition: one row per tensor the backward receives from the forward."""
+    reason_of = _reasons(tags, facts, final_tags, offloaded)
     saved, symints = [], 0
     for node in bw.graph.nodes:
         if node.op != "placeholder" or node.name.startswith("tangents"):
@@ -115,17 +112,18 @@ def build_report(graph_id: str, policy: str, joint: dict[str, JointNodeInfo], fw
         if not isinstance(val, torch.Tensor):
             symints += isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int))
             continue
-        info = joint.get(node.name)
-        reason, selector = _reason(node.name, joint, selector_of)
+        info = facts.get(node.name)
+        reason, selector, decided_by = reason_of(node.name)
         saved.append(SavedTensor(
-            name=node.name, op="input" if info is not None and info.is_input else (info.op if info else "?"),
+            name=node.name,
+            op="input" if info is not None and info.is_input else (decided_by or (info.op if info else "?")),
             shape=shape_text(val), dtype=dtype_text(val.dtype), bytes=tensor_nbytes(val),
             module=info.module if info else "", source=info.source if info else "", reason=reason,
             selector=selector))
-    fw_calls, bw_calls = _call_names(fw), _call_names(bw)
-    recomputed = Counter(op_name_of(bw_calls[n]) for n in bw_calls if n in fw_calls and n in joint
-                         and bw_calls[n].target is not operator.getitem)
-    return Report(graph=graph_id, policy=policy, torch_version=torch.__version__, saved=saved,
-                  saved_symints=symints, recomputed=dict(sorted(recomputed.items())),
-                  tagged=[dict(r.__dict__) for r in tags.records], unmatched=list(tags.unmatched),
-                  violations=list(violations))
+    bw_calls = _calls(bw)
+    recomputed = Counter(op_name(bw_calls[n]) for n in recomputed_names(fw, bw) if n in facts)
+    tagged = [dict(r.__dict__) for r in tags.records]
+    return Report(graph=graph_id, policy=policy, torch_version=torch.__version__, saved=tuple(saved),
+                  saved_symints=symints, recomputed=dict(recomputed), tagged=tuple(tagged),
+                  decisions=decisions, unmatched=tuple(tags.unmatched), violations=audit.violations,
+                  warnings=audit.warnings, routed_checkpoints=routed)

@@ -1,118 +1,161 @@
-"""The partition function: run the must-save pass, call PyTorch's min-cut, audit the result.
+"""The partition function: one pass through, in order.
 
-A thin layer over ``min_cut_rematerialization_partition``: sacpass only adds tags PyTorch already reads.
+    tag the policy -> keep discrete decisions -> plan (budget / planner) -> PyTorch's min-cut
+    -> offload -> audit -> Report
+
+A thin layer over ``min_cut_rematerialization_partition``: sacpass only adds tags PyTorch already reads
+(and, after the min-cut, moves offloaded values to the host). The partition finds its compile's
+:class:`~sacpass.partitioner.context.CompileContext` and appends its result there; it never calls back.
 """
 from __future__ import annotations
 
-import warnings
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx
-from torch._functorch import config as functorch_config
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from ..errors import MustSaveViolation, SacpassError, SacpassWarning
-from ..passes.must_save import TagResult, tag_must_save_pass
-from ..policies import Policy
-from ..report import Report
-from .audit import audit_partition, build_report, refresh_tags, saved_despite_recompute, snapshot_joint
+from ..errors import MustSaveViolation, SacpassError, warn
+from ..nodes import snapshot, tag_name
+from ..passes.discrete import keep_decisions_pass
+from ..passes.offload import offload_marks, offload_pass
+from ..passes.plan import plan_pass
+from ..passes.tag_policy import tag_policy_pass
+from ..selectors import DiscreteSelector
+from .audit import audit_partition, describe_partition
+from .context import CompileContext, GraphIds, PartitionConfig, PartitionResult, current
 
-__all__ = ["PartitionResult", "partition", "SacpassPartitioner"]
-
-
-@dataclass
-class PartitionResult:
-    """Everything one partition produced, handed to the backend's sink."""
-
-    report: Report
-    joint_text: str  # the joint graph with its tags, before the min-cut
-    forward: torch.fx.GraphModule
-    backward: torch.fx.GraphModule
-    tags: TagResult
+__all__ = ["partition", "SacpassPartitioner", "make_partitioner"]
 
 
-def _joint_text(gm: torch.fx.GraphModule) -> str:
+def joint_text(gm: torch.fx.GraphModule) -> str:
     lines = []
     for node in gm.graph.nodes:
-        tag = node.meta.get("recompute")
-        suffix = f"  # {tag.name}" if tag is not None else ""
+        tag = tag_name(node)
+        suffix = f"  # {tag}" if tag is not None else ""
+        if "sacpass_offload" in node.meta:
+            suffix += " offload"
         if "ac_graph_id" in node.meta:
             suffix += f" ac={node.meta['ac_graph_id']}"
         lines.append(f"{node.format_node()}{suffix}")
     return "\n".join(lines) + "\n"
 
 
-def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], *, policy: Policy, strict: bool = True,
-              graph_id: str = "g0", sink: Callable[[PartitionResult], None] | None = None,
-              **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    """Partition an AOTAutograd joint graph with ``policy``'s tags honoured, or raise."""
-    tags = tag_must_save_pass(gm, policy, strict=strict)
-    must_save = tags.names("MUST_SAVE")
-    if must_save and functorch_config.activation_memory_budget == 0:
-        raise SacpassError(
-            "sacpass: torch._functorch.config.activation_memory_budget is 0, which makes the partitioner "
-            f"save only graph inputs and drop every MUST_SAVE tag ({len(must_save)} from this policy). Set the "
-            "budget above 0 (e.g. 1.0, the default) or compile without a must-save policy.")
-    joint = snapshot_joint(gm)
-    joint_text = _joint_text(gm)
+def _min_cut(gm, joint_inputs, budget_patch: bool, **kwargs):
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
     kwargs.setdefault("compiler", "inductor")
-    fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-    joint = refresh_tags(joint, gm)  # PyTorch's own MUST_SAVE (region boundaries, collectives) lands in the min-cut
-    violations = audit_partition(bw, tags)
-    report = build_report(graph_id, str(policy), joint, fw, bw, tags, violations)
-    if sink is not None:
-        sink(PartitionResult(report, joint_text, fw, bw, tags))
-    if violations:
-        msg = ("sacpass: the backward graph recomputes must-save node(s): " + "; ".join(violations) +
-               ". The partitioner could not honour the tag (the value is only needed by the backward, or is "
-               "a view); select the op whose output the forward uses, or pass strict=False to only warn.")
-        if strict:
+    if budget_patch:  # sacpass's own budget decided the tags: PyTorch's knapsack must not decide again
+        with functorch_config.patch(activation_memory_budget=1.0):
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def _check_pytorch_budget(tags) -> None:
+    from torch._functorch import config as functorch_config
+
+    kept = tags.names("MUST_SAVE") | tags.names("MUST_CPU_OFFLOAD")
+    if kept and functorch_config.activation_memory_budget == 0:
+        raise SacpassError(
+            "sacpass: torch._functorch.config.activation_memory_budget is 0, which makes PyTorch's partitioner "
+            f"save only graph inputs and drop every MUST_SAVE tag ({len(kept)} from this policy). Use "
+            "sacpass.backend(memory_budget=0) instead (recompute everything but the must-saves), or set "
+            "PyTorch's budget above 0.")
+
+
+def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: CompileContext,
+              **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """Partition an AOTAutograd joint graph with the context's policy honoured, or raise."""
+    cfg = ctx.config
+    tags = tag_policy_pass(gm, cfg.policy, strict=cfg.strict, hint=ctx.hint)
+    keep_decisions_pass(gm, tags)
+    decisions = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan)
+    if cfg.memory_budget is None and cfg.plan is None:
+        _check_pytorch_budget(tags)
+    facts = snapshot(gm)
+    text = joint_text(gm)
+    marks = offload_marks(gm)
+    fw, bw = _min_cut(gm, joint_inputs, cfg.memory_budget is not None or cfg.plan is not None, **kwargs)
+    offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0))
+    final_tags = {n.name: tag_name(n) for n in gm.graph.nodes}  # the min-cut adds MUST_SAVE at region edges
+    audit = audit_partition(gm, facts, fw, bw, tags, offloaded)
+    report = describe_partition(ctx.ids.next(), str(cfg.policy), facts, final_tags, fw, bw, tags, offloaded,
+                                audit, decisions, ctx.routed_checkpoints)
+    ctx.results.append(PartitionResult(report, text, fw, bw))
+    if audit.violations:
+        msg = ("sacpass: the partition does not honour the policy: " + "; ".join(audit.violations) + ". The "
+               "partitioner could not keep the value in the forward (it is only needed by the backward, or is a "
+               "view); select the op whose output the forward uses, or pass strict=False to only warn.")
+        if cfg.strict:
             raise MustSaveViolation(msg)
-        warnings.warn(msg, SacpassWarning, stacklevel=2)
-    kept = saved_despite_recompute(gm, bw, tags)
-    if kept:
-        warnings.warn("sacpass: must-recompute node(s) saved for backward anyway: " + "; ".join(kept) + ". "
-                      "Move the checkpoint boundary, or drop the recompute selector for this op.",
-                      SacpassWarning, stacklevel=2)
+        warn(msg)
+    if audit.warnings and any(isinstance(s, DiscreteSelector) for s in cfg.policy.defaults):
+        warn("sacpass: " + "; ".join(audit.warnings) + ".")
+    if audit.kept:
+        warn("sacpass: must-recompute node(s) saved for backward anyway: " + "; ".join(audit.kept) + ". "
+             "Move the checkpoint boundary, or drop the recompute selector for this op.")
     return fw, bw
 
 
-class SacpassPartitioner(CustomPartitionerFn):
-    """``torch._inductor.config.custom_partitioner_fn`` object; ``uuid()`` carries the policy into cache keys."""
-
-    def __init__(self, policy: Policy, *, strict: bool, uuid: str | None,
-                 next_graph_id: Callable[[], str], sink: Callable[[PartitionResult], None]):
-        self.policy, self.strict, self._uuid = policy, strict, uuid
-        self._next_graph_id, self._sink = next_graph_id, sink
-        if uuid is not None:
-            _LIVE[uuid] = self
-
-    def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        return partition(gm, joint_inputs, policy=self.policy, strict=self.strict,
-                         graph_id=self._next_graph_id(), sink=self._sink, **kwargs)
-
-    def uuid(self) -> str | None:
-        return self._uuid
-
-    def __deepcopy__(self, memo):  # inductor deep-copies its config; this object is shared on purpose
-        return self
-
-    def __reduce__(self):
-        # Inductor pickles its config into the FX-graph cache key; only the uuid identifies this object.
-        # Without a uuid (an uncacheable predicate) pickling fails, which makes the caches bypass.
-        if self._uuid is None:
-            raise TypeError("sacpass partitioner without a cache key (uncacheable predicate selector)")
-        return (_partitioner_for_uuid, (self._uuid,))
+def make_partitioner(config: PartitionConfig, uuid: str | None) -> "SacpassPartitioner":
+    """The partitioner object for ``config`` (Inductor's ``custom_partitioner_fn`` slot or ``aot_autograd``'s
+    ``partition_fn``). Built lazily: its base class comes from Inductor, which ``import sacpass`` avoids."""
+    return _partitioner_class()(config, uuid)
 
 
-_LIVE: "weakref.WeakValueDictionary[str, SacpassPartitioner]" = weakref.WeakValueDictionary()
+_CLASS = None
 
 
-def _partitioner_for_uuid(uuid: str) -> SacpassPartitioner:
+def _partitioner_class():
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class SacpassPartitioner(CustomPartitionerFn):
+        """``custom_partitioner_fn`` object; ``uuid()`` carries the policy into the compile-cache keys."""
+
+        def __init__(self, config: PartitionConfig, uuid: str | None):
+            self.config, self._uuid = config, uuid
+            self._ids = GraphIds()  # used only when called outside a sacpass compile (no context)
+            if uuid is not None:
+                _LIVE[uuid] = self
+
+        def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            ctx = current()
+            if ctx is None or ctx.config is not self.config:
+                ctx = CompileContext(self.config, self._ids)
+            return partition(gm, joint_inputs, ctx, **kwargs)
+
+        def uuid(self) -> str | None:
+            return self._uuid
+
+        def __deepcopy__(self, memo):  # inductor deep-copies its config; this object is shared on purpose
+            return self
+
+        def __reduce__(self):
+            # Inductor pickles its config into the FX-graph cache key; only the uuid identifies this object.
+            # Without a uuid (an uncacheable predicate) pickling fails, which makes the caches bypass.
+            if self._uuid is None:
+                raise TypeError("sacpass partitioner without a cache key (uncacheable predicate selector)")
+            return (_partitioner_for_uuid, (self._uuid,))
+
+    _CLASS = SacpassPartitioner
+    return _CLASS
+
+
+def __getattr__(name: str):
+    if name == "SacpassPartitioner":
+        return _partitioner_class()
+    raise AttributeError(name)
+
+
+import weakref  # noqa: E402
+
+_LIVE: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+
+
+def _partitioner_for_uuid(uuid: str):
     try:
         return _LIVE[uuid]
     except KeyError:

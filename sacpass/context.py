@@ -1,0 +1,319 @@
+"""``sacpass.context_fn(...)``: the same policy for ``torch.utils.checkpoint`` when a region runs eagerly.
+
+::
+
+    ctx = sacpass.context_fn()                       # or backend.context_fn(): that backend's own policy
+    out = checkpoint(layer, x, use_reentrant=False, context_fn=ctx)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": ctx})
+
+It takes the policy arguments of :func:`sacpass.backend` and returns a ``functools.partial`` (the form Dynamo
+accepts for ``context_fn``, with a ``cache_hash`` for the AOTAutograd cache):
+
+- **eager**: two dispatch modes, one for the forward and one for the recompute. The forward keeps the outputs
+  of ops the policy saves; a discrete decision keeps only its integer outputs, int64 narrowed to int32, and the
+  recompute rebuilds its values as a gather from the recomputed input (as the compiled pass does); an offload
+  keeps a host copy. The recompute returns those instead of running the op again. Module-scoped selectors see
+  the module path at run time (forward hooks, paths relative to the outermost module called). Node predicates
+  have no answer for an op at run time and apply under compile only.
+- **under torch.compile**: PyTorch's own selective-checkpoint contexts with a policy that marks the selected ops
+  ``MUST_SAVE`` (module paths from the traced node's ``nn_module_stack``); the sacpass backend then partitions the
+  region exactly as without the context.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .errors import SacpassError, warn
+from .nodes import clean_module_path, dtype_text
+from .policies import Policy
+from .selectors import VALUE_INDEX_OPS, CollectiveSelector, DiscreteSelector, PredicateSelector, is_discrete_op
+
+__all__ = ["context_fn", "ContextSpec", "KeptValue"]
+
+_INT32_LIMIT = 2 ** 31 - 1
+
+
+@dataclass(frozen=True)
+class KeptValue:
+    """One value the eager forward kept for the recompute (what the compiled report calls saved)."""
+
+    op: str  # "ns::op.overload"
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    reason: str  # must-save | discrete | offload
+
+
+@dataclass(eq=False)
+class ContextSpec:
+    """The policy a context applies, and what its last eager forward kept (``kept``, for tests and reports)."""
+
+    policy: Policy
+    kept: list[KeptValue] = field(default_factory=list)
+
+    @property
+    def cache_hash(self) -> str:
+        return f"sacpass-context-{self.policy.cache_key()}"
+
+
+_SPECS: dict[str, ContextSpec] = {}
+
+
+# --------------------------------------------------------------------------------------- module paths
+class _ModuleStack(threading.local):
+    def __init__(self) -> None:
+        self.modules: list[torch.nn.Module] = []
+
+
+_STACK = _ModuleStack()
+_HOOKS: list = []
+
+
+def _install_module_hooks() -> None:
+    """Global forward hooks that keep the stack of modules being called (eager module paths)."""
+    if _HOOKS:
+        return
+
+    def pre(module, args):
+        _STACK.modules.append(module)
+
+    def post(module, args, output):
+        if _STACK.modules and _STACK.modules[-1] is module:
+            _STACK.modules.pop()
+
+    _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(pre))
+    _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(post, always_call=True))
+
+
+def _eager_modules() -> list[tuple[str, str]]:
+    """[(path relative to the outermost module called, class name)] of the modules running now."""
+    out, path = [], ""
+    mods = _STACK.modules
+    for i, m in enumerate(mods):
+        if i > 0:
+            name = next((n for n, c in mods[i - 1].named_children() if c is m), None)
+            if name is None:
+                name = next((n for n, c in mods[0].named_modules() if c is m), type(m).__name__)
+                path = name
+            else:
+                path = f"{path}.{name}" if path else name
+        out.append((path, type(m).__name__))
+    return out
+
+
+def _traced_modules() -> list[tuple[str, str]]:
+    """The module stack of the node being traced (under compile), as the selectors see it in graphs."""
+    import torch.fx.traceback as fx_traceback
+
+    stack = (fx_traceback.current_meta or {}).get("nn_module_stack") or {}
+    out = []
+    for path, cls in stack.values():
+        out.append((clean_module_path(str(path)), cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- choice
+def _action(policy: Policy, op, args, out, modules) -> tuple[str, str] | None:
+    """(action, reason) for one op call: recompute > offload > save > registered > defaults."""
+    def hit(sels):
+        return next((s for s in sels if s.matches_op(op, modules)), None)
+
+    if hit(policy.recompute):
+        return None
+    if hit(policy.offload):
+        return "offload", "offload"
+    if hit(policy.save) or hit(policy.registered):
+        return "save", "must-save"
+    for s in policy.defaults:
+        if isinstance(s, DiscreteSelector) and out is not None and is_discrete_op(op, args, out):
+            return "discrete", "discrete"
+        if isinstance(s, CollectiveSelector) and s.matches_op(op):
+            return "save", "must-save"
+    return None
+
+
+def _compile_policy(spec: ContextSpec, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if not isinstance(op, torch._ops.OpOverload):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    chosen = _action(spec.policy, op, args, getattr(ctx, "op_output", None), _traced_modules())
+    if chosen is None:
+        recompute = any(s.matches_op(op, _traced_modules()) for s in spec.policy.recompute)
+        return CheckpointPolicy.MUST_RECOMPUTE if recompute else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+# ---------------------------------------------------------------------------------------------- eager
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def _bound(op: torch._ops.OpOverload, args, kwargs) -> dict:
+    out = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+@dataclass
+class _Entry:
+    action: str  # "recompute" | "save" | "discrete" | "offload"
+    value: Any = None
+    dtype: torch.dtype | None = None  # a narrowed index: the dtype the op returned
+
+
+def _keep(spec: ContextSpec, op, entry_value, reason: str) -> None:
+    for t in _tensors(entry_value):
+        spec.kept.append(KeptValue(f"{op._schema.name}.{op._overloadname or 'default'}", dtype_text(t.dtype),
+                                   tuple(t.shape), t.numel() * t.element_size(), reason))
+
+
+def _narrow(idx: torch.Tensor, limit: int) -> torch.Tensor:
+    """An int64 index over fewer than 2**31 positions, kept as int32 (as the compiled pass keeps it)."""
+    return idx.to(torch.int32) if idx.dtype == torch.int64 and limit <= _INT32_LIMIT else idx
+
+
+def _limit(func, args, kwargs) -> int:
+    src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if src is None:
+        return _INT32_LIMIT + 1
+    dim = _bound(func, args, kwargs).get("dim")
+    return src.numel() if dim is None or src.dim() == 0 else src.shape[dim]
+
+
+class _ForwardMode(TorchDispatchMode):
+    """The checkpointed forward: run every op, keep what the policy says, in per-op order."""
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __init__(self, spec: ContextSpec, storage) -> None:
+        super().__init__()
+        self.spec, self.storage = spec, storage
+        spec.kept.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in SAC_IGNORED_OPS or not isinstance(func, torch._ops.OpOverload):
+            return out
+        chosen = _action(self.spec.policy, func, args, out, _eager_modules())
+        entry = _Entry("recompute")
+        if chosen is not None:
+            action, reason = chosen
+            kind = VALUE_INDEX_OPS.get(func._schema.name)
+            if action == "discrete" and kind is not None and isinstance(out, tuple):
+                entry = _Entry("discrete", _narrow(out[1].detach(), _limit(func, args, kwargs)), out[1].dtype)
+            elif action == "discrete" and isinstance(out, torch.Tensor):
+                entry = _Entry("discrete", _narrow(out.detach(), _limit(func, args, kwargs)), out.dtype)
+            elif action == "discrete":  # several outputs, values among them: keep them all
+                entry = _Entry("save", tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
+            elif action == "offload":
+                entry = _Entry("offload", tree_map(
+                    lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, out))
+            else:
+                entry = _Entry("save", tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
+            _keep(self.spec, func, entry.value, reason)
+        self.storage[func].append(entry)
+        return out
+
+
+class _RecomputeMode(TorchDispatchMode):
+    """The recompute in the backward: hand back what the forward kept, rebuild decisions, run the rest."""
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __init__(self, spec: ContextSpec, storage) -> None:
+        super().__init__()
+        self.spec, self.storage = spec, storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS or not isinstance(func, torch._ops.OpOverload):
+            return func(*args, **kwargs)
+        queue = self.storage.get(func)
+        if not queue:
+            raise SacpassError(
+                f"sacpass.context_fn: the recompute ran {func} more often than the forward did; the checkpointed "
+                f"function must run the same ops each time (no data-dependent control flow, no global state).")
+        entry = queue.popleft()
+        if entry.action == "recompute":
+            return func(*args, **kwargs)
+        if entry.action == "save":
+            return entry.value
+        device = next((t.device for t in _tensors(args)), torch.device("cpu"))
+        if entry.action == "offload":
+            return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, entry.value)
+        # a discrete decision: the forward's indices; values gathered from the recomputed input
+        idx = entry.value.to(entry.dtype)
+        kind = VALUE_INDEX_OPS.get(func._schema.name)
+        if kind is None:
+            return idx
+        src = args[0]
+        bound = _bound(func, args, kwargs)
+        dim = bound.get("dim", -1)
+        if kind == "same" or bound.get("keepdim", False):
+            values = torch.gather(src, dim, idx)
+        else:
+            values = torch.gather(src, dim, idx.unsqueeze(dim)).squeeze(dim)
+        return values, idx
+
+
+def _context(key: str):
+    """``context_fn`` body: picks the eager modes or, under compile, PyTorch's SAC contexts."""
+    spec = _SPECS[key]
+    if torch.compiler.is_compiling():
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        return create_selective_checkpoint_contexts(functools.partial(_compile_policy, spec))
+    storage: dict = defaultdict(deque)
+    return _ForwardMode(spec, storage), _RecomputeMode(spec, storage)
+
+
+def context_fn(save=None, recompute=None, offload=None, *, use_registered: bool = True,
+               save_collectives: bool = True, save_discrete: bool = True):
+    """A ``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)`` applying the sacpass policy
+    (same arguments as :func:`sacpass.backend`; see the module docstring)."""
+    policy = Policy.build(save, recompute, offload, use_registered=use_registered,
+                          save_collectives=save_collectives, save_discrete=save_discrete)
+    return _from_policy(policy)
+
+
+def _from_policy(policy: Policy):
+    predicates = [str(s) for s in policy.explicit if isinstance(s, PredicateSelector)]
+    if predicates:
+        warn(f"sacpass.context_fn: predicate selector(s) {', '.join(predicates)} read FX nodes and apply under "
+             f"torch.compile only; in eager they select nothing. Use op or module-scoped selectors to cover both.")
+    if any(hasattr(s, "module") for s in policy.explicit + policy.registered):
+        _install_module_hooks()
+    spec = ContextSpec(policy)
+    key = spec.cache_hash if policy.cache_key() is not None else f"{spec.cache_hash}-{id(spec)}"
+    spec = _SPECS.setdefault(key, spec)  # one spec per policy: Dynamo guards on the key, not the object
+    fn = functools.partial(_context, key)
+    fn.cache_hash = spec.cache_hash  # the AOTAutograd cache keys on it (no bypass)
+    fn.spec = spec
+    return fn

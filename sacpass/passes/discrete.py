@@ -1,0 +1,136 @@
+"""keep_decisions_pass: save a discrete decision as its narrowest integer form, rebuild its values from it.
+
+Requires: a joint graph after :func:`~sacpass.passes.tag_policy.tag_policy_pass`, whose records say which
+nodes were saved as discrete decisions (reason ``discrete``).
+Ensures, for each such ATen selection op (topk, sort, max/min/kthvalue/mode/median along a dim, cummax,
+cummin) that also returns the selected *values*:
+
+- every use of the values is rewired to ``gather(input, dim, indices)``, a forward node with the op's
+  original checkpoint tag. The values equal the op's own (the same elements), the backward rebuilds them
+  from the recomputed input and the saved indices, and gradients flow through the gather as before; the
+  float values themselves are never saved;
+- an int64 index output is saved as int32 (``convert_element_type``, ``MUST_SAVE``) and widened again where it
+  is used (``MUST_RECOMPUTE``), so the backward loads half the bytes. Indices along a dim of 2**31 or more
+  elements are left int64.
+
+Other discrete ops (argmax, argmin, searchsorted, custom ops with integer outputs) are left as the tag pass
+left them. Returns the records of the nodes this pass added, and the names of value getitems it removed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..nodes import is_getitem, node_op, size_hint
+from ..selectors import VALUE_INDEX_OPS
+from .tag_policy import DISCRETE, TagResult
+
+__all__ = ["keep_decisions_pass"]
+
+_INT32_LIMIT = 2 ** 31 - 1
+_COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "ac_graph_id", "seq_nr",
+                "source_fn_stack", "partitioner_tag")
+
+
+def _bound_args(node: torch.fx.Node, op: torch._ops.OpOverload) -> dict:
+    """The op's arguments by name, defaults filled in."""
+    out = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _getitem(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
+    return next((u for u in node.users if is_getitem(u) and u.args[1] == index), None)
+
+
+def _new_node(graph: torch.fx.Graph, like: torch.fx.Node, target, args, tag) -> torch.fx.Node:
+    """A call_function node with ``like``'s provenance meta, its fake value computed from the args' values."""
+    node = graph.call_function(target, args)
+    for key in _COPIED_META:
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    with fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.unset_fake_temporarily():
+        node.meta["val"] = target(*vals)
+    if tag is not None:
+        node.meta["recompute"] = tag
+    return node
+
+
+def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, previous) -> list[str]:
+    """Rewire the uses of ``node``'s values to a gather from its input at its indices."""
+    values, indices = _getitem(node, 0), _getitem(node, 1)
+    if values is None or indices is None or not values.users:
+        return []
+    args = _bound_args(node, op)
+    dim, src = args.get("dim", -1), node.args[0]
+    aten = torch.ops.aten
+    with graph.inserting_after(max(values, indices, key=lambda n: list(graph.nodes).index(n))):
+        if kind == "same" or args.get("keepdim", False):
+            rebuilt = _new_node(graph, values, aten.gather.default, (src, dim, indices), previous)
+        else:
+            wide = _new_node(graph, values, aten.unsqueeze.default, (indices, dim), previous)
+            with graph.inserting_after(wide):
+                picked = _new_node(graph, values, aten.gather.default, (src, dim, wide), previous)
+            with graph.inserting_after(picked):
+                rebuilt = _new_node(graph, values, aten.squeeze.dim, (picked, dim), previous)
+    values.replace_all_uses_with(rebuilt)
+    graph.erase_node(values)
+    return [values.name]
+
+
+def _dim_size(node: torch.fx.Node, op) -> int:
+    src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(src, torch.Tensor):
+        return _INT32_LIMIT + 1
+    dim = _bound_args(node, op).get("dim")
+    if dim is None or src.dim() == 0:
+        return size_hint(src.numel())
+    return size_hint(src.shape[dim])
+
+
+def _narrow(graph: torch.fx.Graph, idx: torch.fx.Node, result: TagResult, selector: str, decision: str) -> None:
+    """Save int64 ``idx`` as int32: idx -> narrow (MUST_SAVE) -> wide (MUST_RECOMPUTE) -> former users."""
+    convert = torch.ops.prims.convert_element_type.default
+    users = list(idx.users)
+    with graph.inserting_after(idx):
+        narrow = _new_node(graph, idx, convert, (idx, torch.int32), None)
+        narrow.name = graph._graph_namespace.create_name(f"{idx.name}_int32", None)
+    with graph.inserting_after(narrow):
+        wide = _new_node(graph, idx, convert, (narrow, torch.int64), None)
+    for user in users:
+        user.replace_input_with(idx, wide)
+    result.add(narrow, CheckpointPolicy.MUST_SAVE, DISCRETE, f"{selector} (int32)", op=decision)
+    result.add(wide, CheckpointPolicy.MUST_RECOMPUTE, "derived", f"derived from {selector}")
+
+
+def keep_decisions_pass(gm: torch.fx.GraphModule, tags: TagResult) -> list[str]:
+    """Rebuild the values of saved discrete selections from their indices and save int64 indices as int32
+    (see the module docstring). Mutates ``tags`` (adds the new nodes, drops removed getitems)."""
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    removed: list[str] = []
+    for rec in [r for r in tags.records if r.reason == DISCRETE]:
+        node = by_name.get(rec.name)
+        op = node_op(node) if node is not None else None
+        if op is None or node.target is not op:  # getitems, wrapped ops
+            continue
+        kind = VALUE_INDEX_OPS.get(op._schema.name)
+        previous = getattr(CheckpointPolicy, rec.previous) if rec.previous else None
+        if kind is not None:
+            removed += _rebuild_values(graph, node, op, kind, previous)
+        idx = _getitem(node, 1) if kind is not None else (node if isinstance(node.meta.get("val"), torch.Tensor) else None)
+        if idx is not None and idx.meta["val"].dtype == torch.int64 and idx.users \
+                and _dim_size(node, op) <= _INT32_LIMIT:
+            _narrow(graph, idx, tags, rec.selector, rec.op)
+    tags.records = [r for r in tags.records if r.name not in removed]
+    graph.lint()
+    return removed

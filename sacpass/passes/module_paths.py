@@ -1,0 +1,108 @@
+"""repair_module_paths_pass: give the ops of a checkpointed module the module path however it was called.
+
+Runs on the Dynamo graph, before AOTAutograd traces it (module paths flow from there to the joint graph).
+
+Why: Dynamo records a module in ``nn_module_stack`` when it calls the module object. A checkpoint called
+the way transformers' ``GradientCheckpointingLayer`` calls it, ``checkpoint(partial(layer.__call__, **kw), x)``,
+enters ``layer.forward`` through a bound method: the ops written directly in that ``forward`` get no module at
+all, and the ops of its submodules lose the layer's entry. ``"Layer::aten::sin"`` and ``"layers.*::aten::sin"``
+would then match nothing, while ``checkpoint(layer, x)`` works. Module scoping must not depend on that.
+
+Requires: the GraphModule Dynamo hands to a backend.
+Ensures: in every ``tag_activation_checkpoint`` body where some op has no module entry, the module whose
+``forward`` those ops were traced in is found from their stack trace (the ``nn.Module`` subclass whose
+``forward`` holds that file and line) and its path from the body's submodule paths (their common parent);
+that module is put at the outer end of every op's ``nn_module_stack`` in the body that lacks it. Bodies where
+every op has its module are left alone. Returns the repaired module paths.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx
+
+__all__ = ["repair_module_paths_pass"]
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def _innermost_frame(node: torch.fx.Node) -> tuple[str, int, str] | None:
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return None
+    file, line, func = frames[-1]
+    return file, int(line), func
+
+
+def _module_classes() -> list[type]:
+    out, stack = [], [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            out.append(sub)
+            stack.append(sub)
+    return out
+
+
+def _class_defining(file: str, line: int, func: str) -> type | None:
+    """The nn.Module subclass whose method ``func`` spans ``file:line`` (its own definition, not inherited)."""
+    for cls in _module_classes():
+        fn = cls.__dict__.get(func)
+        code = getattr(fn, "__code__", None)
+        if code is None or code.co_filename != file:
+            continue
+        lines = [ln for _, _, ln in code.co_lines() if ln is not None]
+        if lines and min(lines + [code.co_firstlineno]) <= line <= max(lines):
+            return cls
+    return None
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _repair_body(body: torch.fx.GraphModule) -> str | None:
+    nodes = [n for n in body.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    bare = [n for n in nodes if not n.meta.get("nn_module_stack")]
+    if not bare:
+        return None
+    frame = next((f for f in map(_innermost_frame, bare) if f is not None), None)
+    cls = _class_defining(*frame) if frame is not None else None
+    if cls is None:
+        return None
+    outer = {next(iter(n.meta["nn_module_stack"].values()))[0] for n in nodes if n.meta.get("nn_module_stack")}
+    parents = {_parent(p) for p in outer}
+    path = parents.pop() if len(parents) == 1 else ""
+    if not path:  # no submodule to place it: the module is known by class only
+        path = f"L['<checkpoint>'].{cls.__name__}"
+    entry = (path, cls)
+    key = f"sacpass_repaired_{id(cls)}_{path}"
+    for n in nodes:
+        stack = n.meta.get("nn_module_stack") or {}
+        if any(v[0] == path for v in stack.values()):
+            continue
+        n.meta["nn_module_stack"] = {key: entry, **stack}
+    return path
+
+
+def repair_module_paths_pass(gm: torch.fx.GraphModule) -> list[str]:
+    """Repair the module stacks of checkpoint bodies (see the module docstring)."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    if hop is None:
+        return []
+    repaired = []
+    for owner in gm.modules():
+        if not isinstance(owner, torch.fx.GraphModule):
+            continue
+        for node in owner.graph.find_nodes(op="call_function", target=hop):
+            target = node.args[0].target if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            try:
+                body = owner.get_submodule(target) if target else None
+            except AttributeError:
+                body = None
+            if isinstance(body, torch.fx.GraphModule):
+                path = _repair_body(body)
+                if path is not None:
+                    repaired.append(path)
+    return repaired

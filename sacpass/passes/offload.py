@@ -1,0 +1,81 @@
+"""offload_pass: move the saved values marked for offload to host memory between forward and backward.
+
+Runs on the partitioned graphs, after the min-cut (the only pass that does).
+Requires: the forward and backward graphs of one partition; the joint graph's nodes, whose
+``meta["sacpass_offload"]`` marks the values to offload (set by the tag pass or the planner); the number of
+real forward outputs (``num_fwd_outputs``; the saved values follow them in the forward's output tuple).
+Ensures: for each saved tensor that is a marked value, or a view or cast of one, the forward computes
+``host = sacpass::offload(value, i)`` right after the value and saves ``host`` instead (real outputs keep the
+device tensor); the backward's placeholder becomes that host tensor, and ``sacpass::reload(host, device)``
+before its first use feeds every former user. The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's
+vocabulary) for printing. Returns {saved name: selector} of what it offloaded.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .. import offload as _ops  # noqa: F401  (registers torch.ops.sacpass.offload / reload)
+from ..nodes import is_cast_or_view
+from .tag_policy import OFFLOAD_KEY
+
+__all__ = ["offload_pass", "offload_marks"]
+
+
+def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
+    """{joint node name: selector} of the values marked for offload, seen through views and casts."""
+    marks: dict[str, str] = {}
+    for node in joint.graph.nodes:
+        if OFFLOAD_KEY in node.meta:
+            marks[node.name] = node.meta[OFFLOAD_KEY]
+        elif node.op == "call_function" and is_cast_or_view(node) and node.all_input_nodes:
+            parent = node.all_input_nodes[0].name
+            if parent in marks:
+                marks[node.name] = marks[parent]
+    return marks
+
+
+def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, marks: dict[str, str],
+                 num_fwd_outputs: int) -> dict[str, str]:
+    """Rewrite ``forward`` and ``backward`` (see the module docstring)."""
+    if not marks:
+        return {}
+    out_node = forward.graph.find_nodes(op="output")[0]
+    outputs = list(out_node.args[0])
+    bw_inputs = {n.name: n for n in backward.graph.find_nodes(op="placeholder")}
+    done: dict[str, str] = {}
+    index = 0
+    fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    saved = sorted(((pos, node) for pos, node in enumerate(outputs) if pos >= num_fwd_outputs
+                    and isinstance(node, torch.fx.Node) and node.name in marks and node.op != "placeholder"
+                    and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
+                   key=lambda pn: fw_order[pn[1]])
+    for pos, node in saved:
+        with forward.graph.inserting_after(node):
+            host = forward.graph.call_function(torch.ops.sacpass.offload.default, (node, index),
+                                               name=f"{node.name}_offload")
+        host.meta["val"] = torch.ops.sacpass.offload.default(node.meta["val"], index)
+        node.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
+        outputs[pos] = host
+        index += 1
+        placeholder = bw_inputs[node.name]
+        device = placeholder.meta["val"].device
+        placeholder.meta["val"] = host.meta["val"]
+        first = min(placeholder.users, key=lambda u: list(backward.graph.nodes).index(u), default=None)
+        if first is None:
+            continue
+        with backward.graph.inserting_before(first):
+            back = backward.graph.call_function(torch.ops.sacpass.reload.default, (placeholder, device),
+                                                name=f"{node.name}_reload")
+        back.meta["val"] = torch.ops.sacpass.reload.default(host.meta["val"], device)
+        for user in list(placeholder.users):
+            if user is not back:
+                user.replace_input_with(placeholder, back)
+        done[node.name] = marks[node.name]
+    out_node.args = (tuple(outputs),) + tuple(out_node.args[1:])
+    forward.graph.lint()
+    backward.graph.lint()
+    forward.recompile()
+    backward.recompile()
+    return done

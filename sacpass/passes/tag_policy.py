@@ -1,0 +1,220 @@
+"""tag_policy_pass: stamp PyTorch's own checkpoint tags on the joint-graph nodes a policy selects.
+
+Requires: an AOTAutograd joint graph (placeholders ``primals_*`` and ``tangents_*``), before partitioning.
+Ensures, for every forward node (never the backward part of the joint: those are not recomputations):
+
+- selected to save (explicit, registered, or a default: discrete decisions, collectives): the node and every
+  getitem that unpacks it (nested tuples included) have ``meta["recompute"] = CheckpointPolicy.MUST_SAVE``;
+  along chains of cheap unary ops fed only by a saved value, links no smaller than what precedes them are
+  ``MUST_RECOMPUTE`` and links narrower than everything before them are ``MUST_SAVE``, so the narrowest form
+  (int32, never a widened int64) is what the backward loads;
+- selected to offload: tagged like a save (the min-cut must keep it) and marked ``meta["sacpass_offload"]``
+  with the selector, so the offload pass moves it to host memory after the min-cut;
+- selected to recompute: ``MUST_RECOMPUTE``.
+
+Nothing else changes: other tags, ``ac_graph_id`` and the graph's structure stay as they were. Explicit
+selectors that match nothing where they could are reported (strict: raised); see :func:`checkable`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..errors import PolicyConflictError, SelectorError, UnmatchedSelectorError, warn
+from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, module_stack, node_nbytes,
+                     node_op, op_name, source_of, unpackers)
+from ..policies import Policy
+from ..selectors import VALUE_INDEX_OPS, DiscreteSelector, ModuleOpSelector
+
+__all__ = ["TagRecord", "TagResult", "tag_policy_pass", "checkable", "has_checkpoint_region", "OFFLOAD_KEY"]
+
+OFFLOAD_KEY = "sacpass_offload"  # node.meta key: the offload selector (or plan) that moves this value to host
+
+# why a node was tagged (TagRecord.reason), also the report's reason for a saved tensor
+MUST_SAVE, DISCRETE, OFFLOAD, RECOMPUTE = "must-save", "discrete", "offload", "recompute"
+
+
+@dataclass(frozen=True)
+class TagRecord:
+    """One node a pass tagged."""
+
+    name: str  # node name in the joint graph
+    op: str  # producing op, "ns::op.overload"
+    tag: str  # the PyTorch policy set: "MUST_SAVE", "MUST_RECOMPUTE" or "MUST_CPU_OFFLOAD"
+    reason: str  # must-save | discrete | offload | recompute | budget | plan | derived
+    selector: str  # the selector (or pass) that chose it
+    module: str  # module path relative to the compiled root
+    source: str  # "file.py:line" of the user code that produced it
+    previous: str | None  # the tag the node had before (PREFER_RECOMPUTE inside a checkpoint, None outside)
+
+
+@dataclass
+class TagResult:
+    """What one run of the pass did."""
+
+    records: list[TagRecord] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)  # explicit selectors matching nothing where they could
+    absent: list[str] = field(default_factory=list)  # explicit selectors this graph cannot hold (no error)
+    skipped_backward: list[str] = field(default_factory=list)  # matches inside the backward part, left alone
+
+    def names(self, tag: str = "MUST_SAVE") -> set[str]:
+        return {r.name for r in self.records if r.tag == tag}
+
+    def add(self, node: torch.fx.Node, tag: CheckpointPolicy, reason: str, selector: str,
+            offload: bool = False, op: str | None = None) -> None:
+        previous = node.meta.get("recompute")
+        node.meta["recompute"] = tag
+        if offload:
+            node.meta[OFFLOAD_KEY] = selector
+        self.records.append(TagRecord(
+            name=node.name, op=op or op_name(node), tag="MUST_CPU_OFFLOAD" if offload else tag.name, reason=reason,
+            selector=selector, module=module_path(node), source=source_of(node),
+            previous=getattr(previous, "name", None)))
+
+
+def has_checkpoint_region(graph: torch.fx.Graph) -> bool:
+    """Whether the joint graph holds a checkpointed region (nodes Dynamo's checkpoint tagged)."""
+    return any("ac_graph_id" in n.meta or n.meta.get("recompute") is CheckpointPolicy.PREFER_RECOMPUTE
+               for n in graph.nodes)
+
+
+def checkable(selector, graph: torch.fx.Graph, has_region: bool | None = None) -> bool:
+    """Whether an explicit selector that matched nothing in ``graph`` is an error there.
+
+    The rule: a module-scoped selector must match in every graph that holds a node of its module; any other
+    selector must match in every graph that holds a checkpointed region. A graph that cannot contain the
+    selected module or op (the embedding graph before a graph break, a loss graph) is not an error.
+    """
+    if isinstance(selector, ModuleOpSelector):
+        return any(selector.matches_module(module_stack(n)) for n in graph.nodes if n.op == "call_function")
+    return has_checkpoint_region(graph) if has_region is None else has_region
+
+
+def _has_tensor_output(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return any(isinstance(v, torch.Tensor) or isinstance(v, (list, tuple)) for v in vals) or val is None
+
+
+def _cheap_derivatives(roots: list[torch.fx.Node], backward: set[torch.fx.Node]
+                       ) -> list[tuple[torch.fx.Node, CheckpointPolicy]]:
+    """Nodes computed from a must-save value by a chain of cheap unary ops (``ids.clamp(0).long()``).
+
+    Left to the min-cut, such a chain can be saved in a widened form (int64 instead of int32). A link no
+    smaller than the narrowest value before it is tagged MUST_RECOMPUTE (the backward rebuilds it); a link
+    narrower than everything before it (``topk(...).indices.int()``), on a chain nothing else reads, is
+    tagged MUST_SAVE, so the narrow form is what the backward loads and the wide producer need not be kept.
+    """
+    out: list[tuple[torch.fx.Node, CheckpointPolicy]] = []
+    # (node, narrowest size so far, whether every link so far has this chain as its only user)
+    frontier = [(r, node_nbytes(r), len(r.users) == 1) for r in roots]
+    seen = set(roots)
+    while frontier:
+        node, narrowest, linear = frontier.pop()
+        for user in node.users:
+            if user in seen or user in backward or not is_cheap_unary(user):
+                continue
+            if user.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
+                continue
+            seen.add(user)
+            size = node_nbytes(user)
+            # a narrower link replaces the wide value only if nothing else reads the wide value
+            if linear and size is not None and narrowest is not None and size < narrowest:
+                out.append((user, CheckpointPolicy.MUST_SAVE))
+                frontier.append((user, size, len(user.users) == 1))
+            else:
+                out.append((user, CheckpointPolicy.MUST_RECOMPUTE))
+                frontier.append((user, narrowest, linear and len(user.users) == 1))
+    return out
+
+
+def _describe(node: torch.fx.Node) -> str:
+    return f"{node.name} ({op_name(node)}, module {module_path(node) or '<root>'}, {source_of(node) or 'unknown source'})"
+
+
+def _refuse_unsaveable(node: torch.fx.Node, sel) -> None:
+    if is_view(node):
+        raise SelectorError(
+            f"sacpass: selector {sel} selects {node.name} ({op_name(node)}), a view. The partitioner cannot "
+            f"ban a view from recomputation; select the op that produces its base.")
+    if not _has_tensor_output(node):
+        raise SelectorError(
+            f"sacpass: selector {sel} selects {node.name} ({op_name(node)}), which produces no tensor; there "
+            f"is nothing to save. Select the op producing the tensor to keep.")
+
+
+def _action(node: torch.fx.Node, policy: Policy) -> tuple[str, object] | None:
+    """(action, selector) for one node, by precedence; raises on two explicit actions."""
+    hits = {kind: next((s for s in getattr(policy, kind) if s(node)), None)
+            for kind in ("recompute", "offload", "save")}
+    named = [(k, s) for k, s in hits.items() if s is not None]
+    if len(named) > 1:
+        order = ("save", "offload", "recompute")
+        (ka, sa), (kb, sb) = sorted(named, key=lambda ks: order.index(ks[0]))[:2]
+        raise PolicyConflictError(
+            f"sacpass: node {_describe(node)} is selected both to {ka} ({sa}) and to {kb} ({sb}). Remove it "
+            f"from one of {ka}= / {kb}=, or narrow a selector with a module pattern ('<module>::ns::op').")
+    if named:
+        return named[0]
+    reg = next((s for s in policy.registered if s(node)), None)
+    if reg is not None:
+        return "save", reg
+    default = next((s for s in policy.defaults if s(node)), None)
+    return ("save", default) if default is not None else None
+
+
+def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy, *, strict: bool = True,
+                    hint: str = "") -> TagResult:
+    """Tag the nodes ``policy`` selects. Returns what was tagged; raises on refused or conflicting input.
+    ``hint`` is appended to the unmatched-selector message (e.g. regions Dynamo ran eagerly)."""
+    graph = gm.graph
+    backward = backward_part(graph)
+    has_region = has_checkpoint_region(graph)  # before this pass adds tags of its own
+    result = TagResult()
+    matched: set[object] = set()
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or is_getitem(node):
+            continue
+        hit = _action(node, policy)
+        if hit is None:
+            continue
+        action, sel = hit
+        if node in backward:
+            result.skipped_backward.append(node.name)
+            continue
+        matched.add(sel)
+        if action == "recompute":
+            result.add(node, CheckpointPolicy.MUST_RECOMPUTE, RECOMPUTE, str(sel))
+            continue
+        _refuse_unsaveable(node, sel)
+        reason = DISCRETE if isinstance(sel, DiscreteSelector) else OFFLOAD if action == "offload" else MUST_SAVE
+        targets = [node] + unpackers(node)
+        for t in targets:
+            result.add(t, CheckpointPolicy.MUST_SAVE, reason, str(sel), offload=action == "offload")
+        if action == "save":
+            roots = targets
+            if reason == DISCRETE and node_op(node)._schema.name in VALUE_INDEX_OPS:
+                roots = [t for t in targets if not (is_getitem(t) and t.args[1] == 0)]  # values are rebuilt
+            for d, d_tag in _cheap_derivatives(roots, backward):
+                if d_tag is CheckpointPolicy.MUST_SAVE:  # a narrower form of the value: kept for the same reason
+                    result.add(d, d_tag, reason, f"derived from {sel}", op=op_name(node))
+                else:
+                    result.add(d, d_tag, "derived", f"derived from {sel}")
+
+    explicit = [s for s in policy.explicit if s not in matched]
+    result.unmatched = [str(s) for s in explicit if checkable(s, graph, has_region)]
+    result.absent = [str(s) for s in explicit if not checkable(s, graph, has_region)]
+    if result.unmatched:
+        msg = (f"sacpass: selector(s) {', '.join(result.unmatched)} matched no forward node in a graph that holds "
+               f"a checkpointed region or the selected module. Check the op name and module pattern against the "
+               f"graph (module paths are relative to the module given to torch.compile; dump_dir= writes the "
+               f"graphs).{hint}")
+        if strict:
+            raise UnmatchedSelectorError(msg + " Pass strict=False to only warn.")
+        warn(msg)
+    return result
+

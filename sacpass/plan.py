@@ -1,0 +1,131 @@
+"""The planner's inputs: a :class:`Plan` (budgets) and a :class:`CostModel` (how long an op takes).
+
+``sacpass.backend(plan=sacpass.Plan(...))`` (or ``plan="auto"``) makes sacpass choose, in every checkpointed
+region, for each value the backward needs: keep it on the device (``save``), move it to pinned host memory
+and back (``offload``), or ``recompute`` it, to minimise the step time under the budgets. The choice itself is
+:mod:`sacpass.passes.plan`. All budgets are per execution of one compiled graph: one decoder layer.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import BackendOptionError
+
+__all__ = ["CostModel", "Plan", "as_plan"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds an op takes: max(FLOPs / matrix rate, bytes moved / memory bandwidth) + a launch overhead.
+
+    FLOPs come from ``torch.utils.flop_counter``'s formulas (ATen matmuls, attention, ``_scaled_mm``, and
+    whatever a model registers for its custom ops with ``register_flop_formula``); bytes are the op's input
+    and output tensor bytes. The defaults are the H200 as measured in this project (FACTS.md): dense bf16
+    GEMMs at 790 TFLOP/s, blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s
+    each way; ``efficiency`` scales the rates to what whole kernels reach.
+    """
+
+    name: str = "h200"
+    bf16_flops: float = 790e12  # dense bf16/fp16 matrix FLOP/s
+    fp8_flops: float = 1170e12  # blockwise-scaled e4m3 matrix FLOP/s
+    fp32_flops: float = 60e12  # fp32 (no TF32) matrix FLOP/s
+    memory_bytes_per_s: float = 4.3e12  # device memory, read + write
+    copy_bytes_per_s: float = 51.5 * 2**30  # pinned host <-> device, each way
+    efficiency: float = 0.7  # share of the peak rates real kernels reach
+    launch_s: float = 4e-6  # per kernel
+
+    def flop_rate(self, dtype: torch.dtype) -> float:
+        if dtype in (torch.float32, torch.float64):
+            return self.fp32_flops * self.efficiency
+        if dtype.itemsize == 1:
+            return self.fp8_flops * self.efficiency
+        return self.bf16_flops * self.efficiency
+
+    def seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        return max(flops / self.flop_rate(dtype), nbytes / (self.memory_bytes_per_s * self.efficiency)) + self.launch_s
+
+    def copy_seconds(self, nbytes: float) -> float:
+        return nbytes / self.copy_bytes_per_s
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the planner may spend, per execution of one compiled graph (one layer).
+
+    gpu_bytes:  device bytes the planner may keep beyond the must-saves (0: no more than full recompute keeps).
+                With ``memory_budget=f`` given too, f times the candidates' bytes instead.
+    host_bytes: pinned host bytes it may offload per layer; None: 40% of this machine's memory / ``layers``.
+    layers:     how many layer executions share the host memory per step (only for host_bytes=None).
+    hide:       share of the layer's estimated forward (and backward) time its copies may take, so that they
+                stay hidden under compute (copies run on their own streams).
+    min_offload_bytes: smaller values are not worth a copy; they are saved or recomputed.
+    cost:       the cost model (defaults: the H200).
+    """
+
+    gpu_bytes: int = 0
+    host_bytes: int | None = None
+    layers: int = 1
+    hide: float = 0.8
+    min_offload_bytes: int = 1 << 20
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> BackendOptionError:
+            return BackendOptionError(f"sacpass: Plan({what}) is invalid; " + {
+                "gpu_bytes": "gpu_bytes must be an int >= 0 (device bytes per layer).",
+                "host_bytes": "host_bytes must be None (automatic) or an int >= 0 (host bytes per layer).",
+                "layers": "layers must be an int >= 1.",
+                "hide": "hide must be in (0, 1].",
+                "min_offload_bytes": "min_offload_bytes must be an int >= 0.",
+                "cost": "cost must be a sacpass.CostModel.",
+            }[what.split("=")[0]])
+        if not isinstance(self.gpu_bytes, int) or self.gpu_bytes < 0:
+            raise bad(f"gpu_bytes={self.gpu_bytes!r}")
+        if self.host_bytes is not None and (not isinstance(self.host_bytes, int) or self.host_bytes < 0):
+            raise bad(f"host_bytes={self.host_bytes!r}")
+        if not isinstance(self.layers, int) or self.layers < 1:
+            raise bad(f"layers={self.layers!r}")
+        if not (isinstance(self.hide, (int, float)) and 0 < self.hide <= 1) or math.isnan(self.hide):
+            raise bad(f"hide={self.hide!r}")
+        if not isinstance(self.min_offload_bytes, int) or self.min_offload_bytes < 0:
+            raise bad(f"min_offload_bytes={self.min_offload_bytes!r}")
+        if not isinstance(self.cost, CostModel):
+            raise bad(f"cost={self.cost!r}")
+
+    def host_budget(self) -> int:
+        if self.host_bytes is not None:
+            return self.host_bytes
+        return int(0.4 * _physical_memory()) // self.layers
+
+
+def as_plan(plan) -> Plan | None:
+    """``None``, ``"auto"`` (the default :class:`Plan`) or a Plan; anything else is refused."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if plan == "auto":
+        return Plan()
+    raise BackendOptionError(f"sacpass: plan={plan!r} is not a plan; pass plan='auto', a sacpass.Plan(...) with "
+                             f"budgets, or None (no planner).")
+
+
+def check_memory_budget(memory_budget) -> float | None:
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or \
+            math.isnan(memory_budget) or not 0 <= memory_budget <= 1:
+        raise BackendOptionError(
+            f"sacpass: memory_budget={memory_budget!r} must be a number in [0, 1]: the share of the bytes no "
+            f"activation checkpointing would keep that checkpointed regions may keep on the device (0: "
+            f"recompute everything but the must-saves; 1: keep all).")
+    return float(memory_budget)
