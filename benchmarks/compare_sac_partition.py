@@ -20,9 +20,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sacpass  # noqa: E402
-from bench_layer import CheckpointLayer, _save_topk_context, build_layer, make_inputs  # noqa: E402
 from glm52_model import GLM52Config  # noqa: E402
+from glm52_model.compile import apply_ac  # noqa: E402
+from layerbench.variants import CheckpointLayer, save_topk_context, build_layer, make_inputs  # noqa: E402
 
 
 def partition_of(fn_layer, be, inputs):
@@ -46,13 +48,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = getattr(GLM52Config, args.preset)(fp8=True, recompute=True)
+    cfg = GLM52Config.preset(args.preset, fp8=True, recompute=True)
     base = build_layer(cfg, device, dtype)
     inputs = make_inputs(args.seq, cfg, device, dtype)
 
-    sac_layer = copy.deepcopy(base)
-    sac_layer.recompute = False
-    sac = partition_of(CheckpointLayer(sac_layer, _save_topk_context), sacpass.backend(inner=args.inner, use_registered=False), inputs)
+    sac_layer = apply_ac(copy.deepcopy(base), False)
+    sac = partition_of(CheckpointLayer(sac_layer, save_topk_context),
+                       sacpass.backend(inner=args.inner, use_registered=False), inputs)
     sp = partition_of(copy.deepcopy(base), sacpass.backend(inner=args.inner), inputs)
     result = {}
     for name, rep in (("pytorch_sac", sac), ("sacpass", sp)):

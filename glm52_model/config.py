@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["GLM52Config"]
+__all__ = ["GLM52Config", "PRESETS"]
+
+PRESETS = ("tiny", "bench", "glm52")  # classmethods of GLM52Config, smallest first
 
 
 @dataclass(kw_only=True)
@@ -108,6 +110,13 @@ class GLM52Config:
         return total
 
     # -- presets
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GLM52Config":
+        """The preset called ``name`` (one of :data:`PRESETS`) with ``overrides`` applied."""
+        if name not in PRESETS:
+            raise ValueError(f"GLM52Config.preset: unknown preset {name!r}; valid presets are {', '.join(PRESETS)}")
+        return getattr(cls, name)(**overrides)
+
     @classmethod
     def _preset(cls, base: dict, overrides: dict) -> "GLM52Config":
         known = {f.name for f in dataclasses.fields(cls)}

@@ -12,23 +12,36 @@ import copy
 import os
 import sys
 import time
-from collections import Counter
 
 import torch
 
 import sacpass
 from sacpass.backend import INNERS
+from sacpass.testing import OpCounter
 from glm52_model import GLM52Config, GLM52ForCausalLM
-from glm52_model.ops.dsa_topk import topk_calls
+from glm52_model.compile import apply_compile
+from glm52_model.model import MoE, decoder_layers
+
+TOPK_OP = "glm52::dsa_topk_indices"
 
 
-def _layer_kinds(model: GLM52ForCausalLM) -> list[str]:
-    cfg, kinds = model.cfg, []
-    for i in range(cfg.num_layers):
-        kind = "moe" if cfg.is_moe_layer(i) else "dense"
-        kinds.append(f"{kind}/{'full-topk' if cfg.is_full_topk_layer(i) else 'shared-topk'}")
-    kinds += ["mtp"] * cfg.mtp_layers
+def _layer_kinds(model: GLM52ForCausalLM) -> dict[str, list[str]]:
+    """Layer kind ("moe/shared-topk", ...) -> the decoder layers of that kind ("layer 2", "mtp 0"), in the
+    order they run; layers of one kind have the same structure, so they share one compiled graph."""
+    kinds: dict[str, list[str]] = {}
+    n_main = model.cfg.num_layers
+    for layer in decoder_layers(model):
+        kind = f"{'moe' if isinstance(layer.mlp, MoE) else 'dense'}/{'full' if layer.compute_topk else 'shared'}-topk"
+        i = layer.layer_id
+        kinds.setdefault(kind, []).append(f"layer {i}" if i < n_main else f"mtp {i - n_main}")
     return kinds
+
+
+def _control_extra() -> dict:
+    """Options that keep the control a control: PyTorch's min-cut alone, which replays the top-k in the
+    backward. ``use_registered=False`` (passed by the caller) is enough today; an option that makes sacpass
+    save discrete ops by default must be turned off here."""
+    return {}
 
 
 def run(name: str, model: GLM52ForCausalLM, backend: sacpass.Backend, batches, lr: float) -> dict:
@@ -37,20 +50,41 @@ def run(name: str, model: GLM52ForCausalLM, backend: sacpass.Backend, batches, l
 
     torch._dynamo.reset()
     counters.clear()
-    model.compile_layers(backend=backend, fullgraph=True)
+    apply_compile(model, backend=backend, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, bw_topk, t0 = [], [], time.perf_counter()
-    for ids in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids)
-        before = topk_calls().count
-        loss.backward()
-        bw_topk.append(topk_calls().count - before)
-        opt.step()
-        losses.append(loss.item())
+    with OpCounter(TOPK_OP) as topk:
+        for ids in batches:
+            topk.reset()
+            opt.zero_grad(set_to_none=True)
+            loss = model(ids, labels=ids)
+            loss.backward()
+            bw_topk.append(topk.backward)
+            opt.step()
+            losses.append(loss.item())
     return {"name": name, "losses": losses, "bw_topk": bw_topk, "seconds": time.perf_counter() - t0,
             "graph_breaks": sum(counters["graph_break"].values()), "reports": list(backend.reports),
             "dump_dir": backend.dumper.dir if backend.dumper else None}
+
+
+def print_graphs(reports: list, kinds: dict[str, list[str]]) -> None:
+    """Which layers run which compiled graph: one per layer kind, compiled when its first layer runs."""
+    if len(reports) != len(kinds):
+        print(f"compiled graphs: {len(reports)} (expected one per layer kind: {len(kinds)} kinds {kinds})")
+        return
+    print(f"compiled graphs: {len(reports)}, one per layer kind (layers of the same kind share it):")
+    for r, (kind, layers) in zip(reports, kinds.items()):
+        print(f"  {r.graph}: {kind}: {', '.join(layers)}")
+
+
+def print_saved(reports: list) -> None:
+    """Saved for backward, all graphs: activations apart from graph inputs (parameters, layer inputs),
+    which the backward would hold anyway."""
+    inputs = [s for r in reports for s in r.saved if s.reason == "graph input"]
+    n_act = sum(len(r.saved) for r in reports) - len(inputs)
+    print(f"saved for backward, all graphs: activations {sum(r.activation_bytes for r in reports)} bytes "
+          f"in {n_act} tensors; graph inputs (parameters, layer inputs) {sum(r.input_bytes for r in reports)} "
+          f"bytes in {len(inputs)} tensors")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     base = GLM52ForCausalLM(cfg)
     batches = [torch.randint(0, cfg.vocab_size, (1, args.seq)) for _ in range(args.steps)]
     kinds = _layer_kinds(base)
-    full = sum(k.endswith("full-topk") for k in kinds)
-    print(f"GLM-5.2 tiny: {base.num_params():,} params, layers {kinds}, fp8={cfg.fp8}, "
+    full = sum(len(layers) for kind, layers in kinds.items() if kind.endswith("full-topk"))
+    print(f"GLM-5.2 tiny: {base.num_params():,} params, layer kinds {kinds}, fp8={cfg.fp8}, "
           f"{args.steps} steps x {args.seq} tokens, inner={args.inner}, torch {torch.__version__}")
 
     control_be = sacpass.backend(inner=args.inner, use_registered=False,
-                                 dump_dir=os.path.join(args.dump_dir, "control"))
+                                 dump_dir=os.path.join(args.dump_dir, "control"), **_control_extra())
     sacpass_be = sacpass.backend(inner=args.inner, dump_dir=os.path.join(args.dump_dir, "sacpass"))
     results = [run("control (min-cut, no policy)", copy.deepcopy(base), control_be, batches, 1e-2),
                run("sacpass", copy.deepcopy(base), sacpass_be, batches, 1e-2)]
@@ -82,11 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"\n== {r['name']}: {r['seconds']:.1f} s (compile included)")
         print(f"graph breaks: {r['graph_breaks']}")
-        print(f"compiled graphs: {len(r['reports'])} for layer kinds {dict(Counter(kinds))} "
-              f"(layers of the same structure share a graph)")
+        print_graphs(r["reports"], kinds)
         print(f"top-k executions during backward per step: {r['bw_topk']} "
               f"(full top-k layers: {full})")
-        print(f"saved for backward, all graphs: {sum(x.total_bytes for x in r['reports'])} bytes")
+        print_saved(r["reports"])
         print(f"losses: {[round(x, 6) for x in r['losses']]}")
     print("\n== saved-set report of the first sacpass graph holding a must-save tensor")
     rep = next((x for x in results[1]["reports"] if any(s.reason == "must-save" for s in x.saved)), None)

@@ -2,8 +2,15 @@
 
 Tokens are packed: every activation is [T, ...] over all sequences of the batch, and per-query key
 ranges [starts, ends) (causal, within the query's own sequence) come from ``cu_seqlens``.
+
+Parallelism plugs into hooks, attributes holding a callable (defaults here, parallel versions in
+``glm52_model.parallel``): ``Indexer.gather_keys`` and ``MLA.gather_kv`` (which rows attention may select:
+the local ones, or the sequence-parallel group's) and ``MoE.dispatch`` (where the routed experts run, called
+by :meth:`MoE.experts`). Activation checkpointing and compilation: ``glm52_model.compile``.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,10 +19,12 @@ from torch.utils.checkpoint import checkpoint
 
 from . import ops  # noqa: F401  (registers torch.ops.glm52.*)
 from .config import GLM52Config
+from .mtp import MTPLayer, cross_entropy, mtp_labels, mtp_loss
 from .ops.fp8 import fp8_linear
 
 __all__ = ["RMSNorm", "Linear", "Indexer", "MLA", "MLP", "MoE", "DecoderLayer", "GLM52ForCausalLM",
-           "packed_ranges", "rope_cos_sin", "apply_rope"]
+           "packed_ranges", "rope_cos_sin", "apply_rope", "local_rows", "local_experts", "combine_experts",
+           "decoder_layers", "init_weights"]
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +69,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor
     return out.to(x.dtype)
 
 
+def local_rows(rows: Tensor) -> Tensor:
+    """Default ``gather_keys`` / ``gather_kv`` hook: a query may select among the rows of this rank only."""
+    return rows
+
+
 def packed_ranges(cu_seqlens: Tensor, num_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per token: (position in its sequence, key range start, key range end (causal), sequence end)."""
     t = torch.arange(num_tokens, device=cu_seqlens.device)
@@ -79,6 +93,7 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.hidden_size, self.head_dim, cfg.fp8)                  # one shared key head
         self.k_norm = nn.LayerNorm(self.head_dim)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.gather_keys: Callable[[Tensor], Tensor] = local_rows  # hook: the keys a query may select
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x_pe, x_nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -91,10 +106,6 @@ class Indexer(nn.Module):
         k = self.gather_keys(self._rope(self.k_norm(self.wk(x)), cos, sin))                 # [Tk, Di]
         w = self.weights_proj(x).float() * self.n_heads ** -0.5                             # [T, Hi]
         return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, self.topk, self.head_dim ** -0.5)
-
-    def gather_keys(self, k: Tensor) -> Tensor:
-        """The keys every query may select from: the local ones (sequence parallelism gathers them)."""
-        return k
 
 
 class MLA(nn.Module):
@@ -116,6 +127,7 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = Linear(self.n_heads * self.v_dim, cfg.hidden_size, cfg.fp8)
         self.indexer = Indexer(cfg) if compute_topk else None
+        self.gather_kv: Callable[[Tensor], Tensor] = local_rows    # hook: the latent rows attention reads
 
     def forward(self, x: Tensor, positions: Tensor, starts: Tensor, ends: Tensor,
                 topk_ids: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -137,10 +149,6 @@ class MLA(nn.Module):
         o = torch.einsum("thc,hvc->thv", o_latent, w_kv_b[:, self.nope:])       # absorb W_UV: [T, H, v]
         return self.wo(o.flatten(1)), topk_ids
 
-    def gather_kv(self, kv_abs: Tensor) -> Tensor:
-        """The key/value latent the sparse attention reads: the local one (sequence parallelism gathers it)."""
-        return kv_abs
-
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -155,9 +163,10 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Sigmoid router with bias-corrected top-k selection, normalised and scaled weights, grouped
-    expert GEMMs over expert-sorted tokens (fixed shapes: no host sync, one graph for any routing),
-    plus one shared expert."""
+    """Sigmoid router with bias-corrected top-k selection, normalised and scaled weights (:meth:`route`),
+    routed experts as grouped GEMMs over expert-sorted tokens (:meth:`experts`; fixed shapes: no host sync,
+    one graph for any routing), plus one shared expert. The ``dispatch`` hook decides where the routed
+    experts run (:func:`local_experts`: here); the expert weights are this module's either way."""
 
     def __init__(self, cfg: GLM52Config):
         super().__init__()
@@ -170,32 +179,55 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.empty(E, h, Im))
         self.w_down = nn.Parameter(torch.empty(E, Im, h))
         self.shared_experts = MLP(h, Im * cfg.num_shared_experts, cfg.fp8)
+        self.dispatch: Callable[[MoE, Tensor, Tensor, Tensor], Tensor] = local_experts  # hook, see experts()
 
     def forward(self, x: Tensor) -> Tensor:
-        T, k = x.shape[0], self.top_k
+        expert, weight = self.route(x)                                           # [T, k], [T, k]
+        return self.experts(x, expert, weight) + self.shared_experts(x)         # [T, h]
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Each token's experts [T, k] (int64) and their weights [T, k] (fp32, normalised and scaled)."""
         scores = F.linear(x.float(), self.gate.float()).sigmoid()                 # [T, E]
-        expert = torch.topk(scores + self.e_score_correction_bias, k, dim=-1).indices  # [T, k]
+        expert = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices  # [T, k]
         weight = scores.gather(1, expert)
-        weight = weight / weight.sum(-1, keepdim=True) * self.route_scale        # [T, k]
-        flat = expert.flatten()                                                  # [T*k]
-        order = torch.argsort(flat, stable=True)                                 # assignments by expert
-        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)                                  # [E] group ends
-        token = order // k                                                       # [T*k] source token
-        xs = x[token]                                                            # [T*k, h] sorted by expert
+        return expert, weight / weight.sum(-1, keepdim=True) * self.route_scale
+
+    def experts(self, x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
+        """Routed output [T, h]: every token's weighted sum over its experts, run where ``dispatch`` says."""
+        return self.dispatch(self, x, expert, weight)
+
+    def grouped_ffn(self, xs: Tensor, offs: Tensor) -> Tensor:
+        """SwiGLU of this module's experts over rows ``xs`` [R, h] sorted by expert; ``offs`` (int32, one
+        per expert held here) ends each expert's group."""
         hs = F.silu(torch.ops.glm52.grouped_mm(xs, self.w_gate, offs)) * torch.ops.glm52.grouped_mm(
-            xs, self.w_up, offs)                                                 # [T*k, Im]
-        ys = torch.ops.glm52.grouped_mm(hs, self.w_down, offs)                   # [T*k, h]
-        ys = ys * weight.flatten()[order, None].to(ys.dtype)
-        routed = x.new_zeros(x.shape).index_add(0, token, ys)                   # [T, h]
-        return routed + self.shared_experts(x)
+            xs, self.w_up, offs)                                                 # [R, Im]
+        return torch.ops.glm52.grouped_mm(hs, self.w_down, offs)                 # [R, h]
+
+
+def local_experts(moe: MoE, x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
+    """Default ``MoE.dispatch``: every expert is here. Sort the T*k assignments by expert, run the grouped
+    GEMMs over them, weight and sum them back per token."""
+    flat = expert.flatten()                                                      # [T*k]
+    order = torch.argsort(flat, stable=True)                                     # assignments by expert
+    counts = torch.zeros(moe.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)                                      # [E] group ends
+    token = order // moe.top_k                                                   # [T*k] source token
+    ys = moe.grouped_ffn(x[token], offs)                                         # [T*k, h] sorted by expert
+    return combine_experts(x, ys, token, weight, order)
+
+
+def combine_experts(x: Tensor, ys: Tensor, token: Tensor, weight: Tensor, order: Tensor) -> Tensor:
+    """Sum expert rows ``ys`` [A, h] (assignment ``order[i]`` of token ``token[i]``) into [T, h], weighted."""
+    ys = ys * weight.flatten()[order, None].to(ys.dtype)
+    return x.new_zeros(x.shape).index_add(0, token, ys)                          # [T, h]
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm MLA + (dense MLP | MoE). Full layers compute top-k IDs; shared layers consume the IDs
-    passed in. With ``cfg.recompute`` the body runs under non-reentrant checkpointing, inside this
-    forward, so compiling the layer compiles checkpoint(layer)."""
+    passed in. With ``recompute`` (from ``cfg.recompute``; ``compile.apply_ac`` switches it) the body runs
+    under non-reentrant checkpointing inside this forward, so compiling the forward compiles
+    checkpoint(body) as one graph (``compile.apply_compile``)."""
 
     def __init__(self, cfg: GLM52Config, layer_id: int, compute_topk: bool, moe: bool):
         super().__init__()
@@ -221,16 +253,6 @@ class DecoderLayer(nn.Module):
         return x, topk_ids
 
 
-def _token_dynamic(layer: nn.Module, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """When the layer was compiled with ``dynamic_tokens``, mark dim 0 (tokens) of its inputs dynamic:
-    one graph serves every packed length, and only the token count is symbolic."""
-    if getattr(layer, "_dynamic_tokens", False):
-        for t in tensors:
-            if t is not None:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-    return tensors
-
-
 @torch.no_grad()
 def init_weights(root: nn.Module, std: float) -> nn.Module:
     """Normal(0, std) for linear, embedding and expert weights; ones/zeros for norms. Any module tree
@@ -248,18 +270,34 @@ def init_weights(root: nn.Module, std: float) -> nn.Module:
     return root
 
 
+def decoder_layers(root: nn.Module) -> list[DecoderLayer]:
+    """Every decoder layer in ``root`` (a model: main then MTP layers; or one layer, or a wrapper)."""
+    return [m for m in root.modules() if isinstance(m, DecoderLayer)]
+
+
+def mtp_layer(cfg: GLM52Config, layer_id: int) -> MTPLayer:
+    """One MTP layer from this file's pieces; its decoder layer is MoE and reuses the main layers' IDs."""
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    return MTPLayer(enorm=RMSNorm(h, eps), hnorm=RMSNorm(h, eps), eh_proj=Linear(2 * h, h, cfg.fp8),
+                    block=DecoderLayer(cfg, layer_id, compute_topk=False, moe=True), norm=RMSNorm(h, eps))
+
+
 class GLM52ForCausalLM(nn.Module):
     """``loss = model(input_ids, labels=labels)``: main next-token loss + weighted MTP loss.
 
     ``input_ids`` is [B, S] (B sequences of length S) or [T] packed with ``cu_seqlens`` (int, [n+1]).
     ``labels`` has the same shape and is aligned: labels[t] is the token to predict at position t
     (-100 = ignore). Without labels the logits are returned.
+
+    A rank of a parallel run holds a slice of a packed global batch (``glm52_model.parallel.shard_batch``)
+    and passes what it cannot derive from its tokens: ``positions``, ``starts`` and ``ends`` (key ranges in
+    the coordinates of the keys its attention reads), ``mtp_targets`` (built on whole sequences) and the
+    global counts ``num_labels`` / ``num_mtp_targets`` that the loss sums are divided by, so that the ranks'
+    losses add up to the loss of the global batch.
     """
 
     def __init__(self, cfg: GLM52Config):
         super().__init__()
-        from .mtp import MTPLayer
-
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
@@ -268,53 +306,51 @@ class GLM52ForCausalLM(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.head.weight = self.embed.weight
-        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.mtp_layers))
+        self.mtp = nn.ModuleList(mtp_layer(cfg, cfg.num_layers + i) for i in range(cfg.mtp_layers))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         init_weights(self, self.cfg.init_std)
 
-    def decoder_layers(self) -> list[DecoderLayer]:
-        """Every decoder layer, main then MTP."""
-        return [*self.layers, *(m.block for m in self.mtp)]
-
-    def compile_layers(self, backend="inductor", fullgraph: bool = True, dynamic_tokens: bool = False,
-                       **kwargs) -> "GLM52ForCausalLM":
-        """Compile every decoder layer (main and MTP) in place; with recompute each becomes
-        compile(checkpoint(layer)). ``backend`` is anything torch.compile accepts; ``kwargs`` go to
-        torch.compile. ``dynamic_tokens=True`` marks the token dim of the layer inputs dynamic (only
-        that dim: cheaper than ``dynamic=True``, which also makes widths and float attributes symbolic)
-        so that a new sequence length does not recompile; it costs several times the compile time of
-        static shapes on CPU, hence off by default."""
-        for layer in self.decoder_layers():
-            layer._dynamic_tokens = dynamic_tokens
-            layer.compile(backend=backend, fullgraph=fullgraph, **kwargs)
-        return self
-
     def num_params(self, include_mtp: bool = True) -> int:
         """Parameter count (shared tensors once; the MTP layer reuses the main embedding and head)."""
         return sum(p.numel() for n, p in self.named_parameters() if include_mtp or not n.startswith("mtp."))
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None,
-                cu_seqlens: Tensor | None = None) -> Tensor:
-        from .mtp import mtp_loss
-
-        ids = input_ids.reshape(-1)
-        T = ids.shape[0]
-        if cu_seqlens is None:
-            B = input_ids.shape[0] if input_ids.dim() == 2 else 1
-            cu_seqlens = torch.arange(B + 1, device=ids.device) * (T // B)
-        positions, starts, ends, seq_end = packed_ranges(cu_seqlens, T)
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None, *,
+                positions: Tensor | None = None, starts: Tensor | None = None, ends: Tensor | None = None,
+                mtp_targets: Tensor | None = None, num_labels: int | None = None,
+                num_mtp_targets: int | None = None) -> Tensor:
+        ids = input_ids.reshape(-1)                                              # [T]
+        positions, starts, ends, seq_end = self._ranges(input_ids, cu_seqlens, positions, starts, ends)
         x = self.embed(ids)                                                      # [T, hidden]
         topk_ids = None
         for layer in self.layers:
-            x, topk_ids = layer(*_token_dynamic(layer, x, positions, starts, ends, topk_ids))
+            x, topk_ids = layer(x, positions, starts, ends, topk_ids)
         logits = self.head(self.norm(x)).float()                                 # [T, vocab]
         if labels is None:
             return logits.view(*input_ids.shape, -1)
         labels = labels.reshape(-1)
-        loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        loss = cross_entropy(logits, labels, num_labels)
         if self.mtp:
+            if mtp_targets is None and seq_end is None:
+                raise ValueError("GLM52ForCausalLM: with positions/starts/ends pass mtp_targets too (they look "
+                                 "one token ahead, past a rank's slice; see parallel.shard_batch)")
+            if mtp_targets is None:
+                mtp_targets = mtp_labels(labels, seq_end)
             loss = loss + self.cfg.mtp_loss_weight * mtp_loss(
-                self, x, labels, positions, starts, ends, seq_end, topk_ids)
+                self, x, labels, mtp_targets, positions, starts, ends, topk_ids, num_mtp_targets)
         return loss
+
+    def _ranges(self, input_ids, cu_seqlens, positions, starts, ends):
+        """(positions, starts, ends, seq_end): given by a parallel rank, else from ``cu_seqlens``."""
+        if positions is not None:
+            if starts is None or ends is None:
+                raise ValueError("GLM52ForCausalLM: pass positions, starts and ends together")
+            if cu_seqlens is not None:
+                raise ValueError("GLM52ForCausalLM: pass either cu_seqlens or positions/starts/ends, not both")
+            return positions, starts, ends, None
+        T = input_ids.numel()
+        if cu_seqlens is None:
+            B = input_ids.shape[0] if input_ids.dim() == 2 else 1
+            cu_seqlens = torch.arange(B + 1, device=input_ids.device) * (T // B)
+        return packed_ranges(cu_seqlens, T)

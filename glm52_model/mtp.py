@@ -1,33 +1,31 @@
 """Multi-token prediction (depth 1): predict token t+2 at position t from the main model's hidden state
-and the embedding of token t+1, through one more decoder layer that reuses the last main layer's IDs."""
+and the embedding of token t+1, through one more decoder layer that reuses the last main layer's IDs.
+Also the token cross-entropy both losses use.
+
+The MTP layer is built by ``GLM52ForCausalLM`` from the model's own pieces (``model.mtp_layer``), so this
+module needs nothing from ``model.py``.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import GLM52Config
-from .model import DecoderLayer, Linear, RMSNorm, _token_dynamic
-
-__all__ = ["MTPLayer", "mtp_labels", "mtp_loss"]
+__all__ = ["MTPLayer", "mtp_labels", "mtp_loss", "cross_entropy"]
 
 
 class MTPLayer(nn.Module):
     """enorm/hnorm -> eh_proj -> decoder layer (MoE, shared top-k) -> norm; the embedding and output
     head are the main model's."""
 
-    def __init__(self, cfg: GLM52Config, layer_id: int):
+    def __init__(self, enorm: nn.Module, hnorm: nn.Module, eh_proj: nn.Module, block: nn.Module, norm: nn.Module):
         super().__init__()
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, cfg.fp8)
-        self.block = DecoderLayer(cfg, layer_id, compute_topk=False, moe=True)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.enorm, self.hnorm, self.eh_proj, self.block, self.norm = enorm, hnorm, eh_proj, block, norm
 
     def forward(self, hidden: Tensor, next_embeds: Tensor, positions: Tensor, starts: Tensor, ends: Tensor,
                 topk_ids: Tensor) -> Tensor:
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))  # [T, hidden]
-        x, _ = self.block(*_token_dynamic(self.block, x, positions, starts, ends, topk_ids))
+        x, _ = self.block(x, positions, starts, ends, topk_ids)
         return self.norm(x)
 
 
@@ -40,13 +38,18 @@ def mtp_labels(labels: Tensor, seq_end: Tensor) -> Tensor:
     return torch.where(keep, shifted, -100)
 
 
-def mtp_loss(model, hidden: Tensor, labels: Tensor, positions: Tensor, starts: Tensor, ends: Tensor,
-             seq_end: Tensor, topk_ids: Tensor) -> Tensor:
-    """Mean over MTP depths of the cross-entropy of each MTP layer's prediction."""
+def cross_entropy(logits: Tensor, targets: Tensor, count: int | None = None) -> Tensor:
+    """Token cross-entropy, -100 ignored: the mean over valid targets, or the sum divided by ``count`` (the
+    valid targets of a whole parallel batch, so that the ranks' shares add up to its mean)."""
+    if count is None:
+        return F.cross_entropy(logits, targets, ignore_index=-100)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / count
+
+
+def mtp_loss(model, hidden: Tensor, labels: Tensor, targets: Tensor, positions: Tensor, starts: Tensor,
+             ends: Tensor, topk_ids: Tensor, count: int | None = None) -> Tensor:
+    """Mean over MTP depths of the cross-entropy of each MTP layer's prediction (``targets``: mtp_labels)."""
     next_embeds = model.embed(labels.clamp_min(0))                               # token t+1 at position t
-    targets = mtp_labels(labels, seq_end)
-    losses = []
-    for layer in model.mtp:
-        h = layer(hidden, next_embeds, positions, starts, ends, topk_ids)
-        losses.append(F.cross_entropy(model.head(h).float(), targets, ignore_index=-100))
+    losses = [cross_entropy(model.head(layer(hidden, next_embeds, positions, starts, ends, topk_ids)).float(),
+                            targets, count) for layer in model.mtp]
     return torch.stack(losses).mean()

@@ -1,5 +1,9 @@
 """Sequence, expert and fully-sharded data parallelism for the GLM-5.2 layers, traceable whole.
 
+Parallelism plugs into the model's hooks (attributes holding a callable), never into its forwards:
+:func:`apply_sp` sets ``Indexer.gather_keys`` and ``MLA.gather_kv`` to an :class:`AllGather`, and
+:func:`apply_ep` sets ``MoE.dispatch`` to an :class:`ExpertParallel`. Parameter names do not change.
+
 Every collective inside a decoder layer is a functional collective (``torch.distributed._functional_
 collectives``), so ``compile(checkpoint(layer))`` with ``fullgraph=True`` keeps the layer one graph with
 the collectives in it, and sacpass partitions that graph like any other.
@@ -14,7 +18,7 @@ Layout of ranks (world = dp * sp; ep divides world):
 - **EP** groups are ``ep`` consecutive ranks; expert ``e`` lives on group rank ``e // (E / ep)``. Tokens
   are per-rank data in every layout (SP splits them too), so any ``ep`` ranks can form an EP group.
   Routed assignments travel with ``all_to_all_single`` (autograd) and come back the same way. Two
-  dispatchers, both one graph for any routing (see :class:`ExpertParallelMoE` and docs/distributed.md):
+  dispatchers, both one graph for any routing (see :class:`ExpertParallel` and docs/distributed.md):
   ``"padded"`` (static [ep, capacity, hidden] buffers, no host sync) and ``"dynamic"`` (exact split sizes
   exchanged first, read with ``.tolist()`` as unbacked SymInts: needs ``capture_scalar_outputs``).
 - **FSDP2**: :func:`apply_fsdp` shards every decoder layer and the root over the whole world. Every
@@ -31,16 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import GLM52Config
-from .model import MLA, GLM52ForCausalLM, Indexer, MoE, _token_dynamic, packed_ranges
+from .model import GLM52ForCausalLM, MoE, combine_experts, decoder_layers, packed_ranges
 from .mtp import mtp_labels
 
-__all__ = ["ParallelDims", "ParallelGroups", "Shard", "SequenceParallelIndexer", "SequenceParallelMLA",
-           "ExpertParallelMoE", "ParallelCausalLM", "apply_sp", "apply_ep", "apply_fsdp", "compile_layers",
-           "shard_batch", "sync_grads", "expert_slice", "DISPATCHERS"]
+__all__ = ["ParallelDims", "ParallelGroups", "Shard", "AllGather", "ExpertParallel", "ParallelCausalLM",
+           "apply_sp", "apply_ep", "apply_fsdp", "shard_batch", "sync_grads", "expert_slice", "DISPATCHERS"]
 
 DISPATCHERS = ("padded", "dynamic")
 _ROW_ALIGN = 16  # expert rows are padded to a multiple of this
@@ -112,35 +113,25 @@ class ParallelGroups:
 
 
 # ------------------------------------------------------------------------------------------------- SP
-class SequenceParallelIndexer(Indexer):
-    """Indexer over the SP group's keys: local queries, all-gathered keys (no grad: runs under no_grad).
-    ``starts``/``ends`` index the gathered keys (block coordinates)."""
+@dataclass(frozen=True)
+class AllGather:
+    """``gather_keys`` / ``gather_kv`` hook of sequence parallelism: the rows of every rank of the SP group
+    (``all_gather_single``; autograd: its backward reduce-scatters the gradient to the rows' owners)."""
 
-    sp_group: str
+    group: str  # SP group name
 
-    def gather_keys(self, k: Tensor) -> Tensor:
-        return funcol.all_gather_single(k, 0, self.sp_group)                               # [sp*T, Di]
-
-
-class SequenceParallelMLA(MLA):
-    """MLA whose sparse attention reads the SP group's KV latent: the [T, kv_lora + rope] latent is
-    all-gathered (autograd: the backward reduce-scatters its gradient). Same math as :class:`MLA`."""
-
-    sp_group: str
-
-    def gather_kv(self, kv_abs: Tensor) -> Tensor:
-        return funcol.all_gather_single(kv_abs, 0, self.sp_group)                          # [sp*T, kv_lora + rope]
+    def __call__(self, rows: Tensor) -> Tensor:
+        return funcol.all_gather_single(rows, 0, self.group)                               # [sp*T, ...]
 
 
 def apply_sp(model: GLM52ForCausalLM, group: str) -> None:
-    """Make every decoder layer's attention sequence-parallel over ``group`` (in place; parameters and
-    state-dict keys unchanged)."""
-    for layer in model.decoder_layers():
-        layer.attn.__class__ = SequenceParallelMLA
-        layer.attn.sp_group = group
+    """Make every decoder layer's attention sequence-parallel over ``group`` (in place): the indexer scores
+    local queries against the group's keys (``starts``/``ends`` in block coordinates) and sparse MLA reads
+    the group's KV latent."""
+    for layer in decoder_layers(model):
+        layer.attn.gather_kv = AllGather(group)
         if layer.attn.indexer is not None:
-            layer.attn.indexer.__class__ = SequenceParallelIndexer
-            layer.attn.indexer.sp_group = group
+            layer.attn.indexer.gather_keys = AllGather(group)
 
 
 # ------------------------------------------------------------------------------------------------- EP
@@ -149,56 +140,51 @@ def expert_slice(num_experts: int, ep: int, ep_rank: int) -> slice:
     return slice(ep_rank * n, (ep_rank + 1) * n)
 
 
-class ExpertParallelMoE(MoE):
-    """MoE whose routed experts are split over an EP group; the router and shared expert are replicated.
+@dataclass(frozen=True)
+class ExpertParallel:
+    """``MoE.dispatch`` hook of expert parallelism: the routed experts are split over an EP group (the
+    ``MoE`` keeps only its rank's slice of the expert weights); the router and shared expert are replicated.
 
-    Per rank: route the local tokens (top-k over all E experts), sort the T*k assignments by expert (so by
-    destination rank), send each to the rank owning its expert, run the local experts with grouped GEMMs
-    over the received rows, send the results back, weight and sum them per token.
+    Per rank: sort the T*k assignments of the local tokens by expert (so by destination rank), send each to
+    the rank owning its expert, run the local experts with grouped GEMMs over the received rows, send the
+    results back, weight and sum them per token.
 
-    ``dispatch="padded"``: every rank sends a [ep, C, hidden] buffer (C = capacity rows per destination)
-    with static sizes, so the all-to-alls have fixed splits [C] * ep and nothing syncs with the host.
-    C = T*k (the default, ``capacity_factor=None``) is dropless: no routing can overflow. With a capacity
-    factor f, C = ceil(f * T * k / ep); assignments past C for one destination (in expert order, then token
-    order) are dropped: they contribute zero to the token's output (the token still gets its shared expert
-    and its other assignments), and their routing weights get no gradient. Padding rows are zeros and are
-    grouped with the last local expert: zero in, zero out, zero weight gradient.
+    ``mode="padded"``: every rank sends a [ep, C, hidden] buffer (C = capacity rows per destination) with
+    static sizes, so the all-to-alls have fixed splits [C] * ep and nothing syncs with the host. C = T*k
+    (the default, ``capacity_factor=None``) is dropless: no routing can overflow. With a capacity factor f,
+    C = ceil(f * T * k / ep); assignments past C for one destination (in expert order, then token order)
+    are dropped: they contribute zero to the token's output (the token still gets its shared expert and its
+    other assignments), and their routing weights get no gradient. Padding rows are zeros and are grouped
+    with the last local expert: zero in, zero out, zero weight gradient.
 
-    ``dispatch="dynamic"``: the per-destination counts are exchanged first (a [ep] all-to-all), read with
+    ``mode="dynamic"``: the per-destination counts are exchanged first (a [ep] all-to-all), read with
     ``.tolist()`` and used as exact split sizes; dynamo turns them into unbacked SymInts (one graph for any
     routing) when ``torch._dynamo.config.capture_scalar_outputs`` is on. Never drops, no padding, but two
     host syncs per dispatch (and again when the backward recomputes the layer).
     """
 
-    ep_group: str
-    ep_size: int
-    n_local: int
-    dispatch: str
-    capacity_factor: float | None
+    group: str                            # EP group name
+    size: int                             # ranks in the group
+    n_local: int                          # experts per rank
+    mode: str = "padded"                  # one of DISPATCHERS
+    capacity_factor: float | None = None  # padded mode: rows per destination = ceil(f * T * k / ep); None: dropless
 
-    def forward(self, x: Tensor) -> Tensor:
-        T, k = x.shape[0], self.top_k
-        scores = F.linear(x.float(), self.gate.float()).sigmoid()                 # [T, E]
-        expert = torch.topk(scores + self.e_score_correction_bias, k, dim=-1).indices  # [T, k]
-        weight = scores.gather(1, expert)
-        weight = weight / weight.sum(-1, keepdim=True) * self.route_scale        # [T, k]
+    def __call__(self, moe: MoE, x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:
         flat = expert.flatten()                                                  # [A = T*k]
         order = torch.argsort(flat, stable=True)                                 # assignments by expert
         fe = flat[order]                                                         # sorted expert IDs
         dst = fe // self.n_local                                                 # destination group rank
-        token = order // k                                                       # [A] source token
+        token = order // moe.top_k                                               # [A] source token
         local_e = fe - dst * self.n_local                                        # expert on the destination
-        send_counts = torch.zeros(self.ep_size, dtype=torch.long, device=x.device).scatter_add_(
+        send_counts = torch.zeros(self.size, dtype=torch.long, device=x.device).scatter_add_(
             0, dst, torch.ones_like(dst))                                        # [ep]
-        if self.dispatch == "padded":
-            y = self._padded(x, token, dst, local_e, send_counts)               # [A, h], sorted order
+        if self.mode == "padded":
+            y = self._padded(moe, x, token, dst, local_e, send_counts)          # [A, h], sorted order
         else:
-            y = self._dynamic(x[token], local_e, send_counts)
-        y = y * weight.flatten()[order, None].to(y.dtype)
-        routed = x.new_zeros(x.shape).index_add(0, token, y)                    # [T, h]
-        return routed + self.shared_experts(x)
+            y = self._dynamic(moe, x[token], local_e, send_counts)
+        return combine_experts(x, y, token, weight, order)                      # [T, h]
 
-    def _experts(self, xs: Tensor, e: Tensor) -> Tensor:
+    def _experts(self, moe: MoE, xs: Tensor, e: Tensor) -> Tensor:
         """Run the local experts on rows ``xs`` [R, h] whose local expert is ``e`` [R] (padding rows carry
         ``n_local`` and are zeros); returns the rows in the order given. Rows are padded to a multiple of
         16 (``glm52::grouped_mm``'s backward on CPU needs 16-byte strides over the row dim)."""
@@ -211,20 +197,18 @@ class ExpertParallelMoE(MoE):
         # padding rows (sorted last) join the last expert's group: zeros in, zeros out, no weight grad
         counts = torch.cat([counts[:El - 1], counts[El - 1:El] + counts[El:]])
         offs = counts[:El].cumsum(0).to(torch.int32)                            # [El] group ends
-        xs = xs[order]
-        hs = F.silu(torch.ops.glm52.grouped_mm(xs, self.w_gate, offs)) * torch.ops.glm52.grouped_mm(
-            xs, self.w_up, offs)
-        ys = torch.ops.glm52.grouped_mm(hs, self.w_down, offs)
+        ys = moe.grouped_ffn(xs[order], offs)
         return torch.empty_like(ys).index_copy(0, order, ys)[:R]                # back to arrival order
 
     def _capacity(self, A) -> int:
         if self.capacity_factor is None:
             return A
         pct = int(round(self.capacity_factor * 100))
-        return torch.sym_max(1, torch.sym_min(A, (A * pct + self.ep_size * 100 - 1) // (self.ep_size * 100)))
+        return torch.sym_max(1, torch.sym_min(A, (A * pct + self.size * 100 - 1) // (self.size * 100)))
 
-    def _padded(self, x: Tensor, token: Tensor, dst: Tensor, local_e: Tensor, send_counts: Tensor) -> Tensor:
-        ep, h, A = self.ep_size, x.shape[1], token.shape[0]
+    def _padded(self, moe: MoE, x: Tensor, token: Tensor, dst: Tensor, local_e: Tensor,
+                send_counts: Tensor) -> Tensor:
+        ep, h, A = self.size, x.shape[1], token.shape[0]
         C = self._capacity(A)
         first = send_counts.cumsum(0) - send_counts                              # [ep] first row per dst
         pos = torch.arange(A, device=x.device) - first[dst]                      # row within its dst
@@ -233,28 +217,29 @@ class ExpertParallelMoE(MoE):
         send_e = torch.full((ep * C + 1,), self.n_local, dtype=torch.long, device=x.device).index_copy(
             0, slot, local_e)[:ep * C]
         splits = [C] * ep
-        recv = funcol.all_to_all_single(send, splits, splits, self.ep_group)     # [ep*C, h]
-        recv_e = funcol.all_to_all_single(send_e, splits, splits, self.ep_group)
-        out = self._experts(recv, recv_e)
-        back = funcol.all_to_all_single(out, splits, splits, self.ep_group)      # [ep*C, h] slot order
+        recv = funcol.all_to_all_single(send, splits, splits, self.group)        # [ep*C, h]
+        recv_e = funcol.all_to_all_single(send_e, splits, splits, self.group)
+        out = self._experts(moe, recv, recv_e)
+        back = funcol.all_to_all_single(out, splits, splits, self.group)         # [ep*C, h] slot order
         return torch.cat([back, back.new_zeros(1, h)])[slot]                     # [A, h], dropped -> 0
 
-    def _dynamic(self, xs: Tensor, local_e: Tensor, send_counts: Tensor) -> Tensor:
+    def _dynamic(self, moe: MoE, xs: Tensor, local_e: Tensor, send_counts: Tensor) -> Tensor:
         A = xs.shape[0]
-        recv_counts = funcol.all_to_all_single(send_counts, None, None, self.ep_group)  # [ep]
+        recv_counts = funcol.all_to_all_single(send_counts, None, None, self.group)  # [ep]
         in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
         for s in (*in_splits, *out_splits):
             torch._check(s >= 0)
         torch._check(sum(in_splits) == A)
-        recv = funcol.all_to_all_single(xs, out_splits, in_splits, self.ep_group)       # [R, h]
-        recv_e = funcol.all_to_all_single(local_e, out_splits, in_splits, self.ep_group)
-        out = self._experts(recv, recv_e)
-        return funcol.all_to_all_single(out, in_splits, out_splits, self.ep_group)      # [A, h]
+        recv = funcol.all_to_all_single(xs, out_splits, in_splits, self.group)       # [R, h]
+        recv_e = funcol.all_to_all_single(local_e, out_splits, in_splits, self.group)
+        out = self._experts(moe, recv, recv_e)
+        return funcol.all_to_all_single(out, in_splits, out_splits, self.group)      # [A, h]
 
 
 def apply_ep(model: GLM52ForCausalLM, group: str, ep_size: int, ep_rank: int, dispatch: str = "padded",
              capacity_factor: float | None = None) -> None:
-    """Keep only this rank's experts in every MoE layer and dispatch over ``group`` (in place)."""
+    """Keep only this rank's experts in every MoE layer and dispatch over ``group`` (in place; parameter
+    names unchanged, the expert weights sliced to [E / ep_size, ...])."""
     if dispatch not in DISPATCHERS:
         raise ValueError(f"apply_ep: dispatch={dispatch!r} is not one of {DISPATCHERS}")
     E = model.cfg.num_experts
@@ -263,15 +248,13 @@ def apply_ep(model: GLM52ForCausalLM, group: str, ep_size: int, ep_rank: int, di
     if capacity_factor is not None and capacity_factor <= 0:
         raise ValueError(f"apply_ep: capacity_factor={capacity_factor} must be positive (None = dropless)")
     sl = expert_slice(E, ep_size, ep_rank)
-    for layer in model.decoder_layers():
+    for layer in decoder_layers(model):
         moe = layer.mlp
         if not isinstance(moe, MoE):
             continue
-        moe.__class__ = ExpertParallelMoE
         for name in ("w_gate", "w_up", "w_down"):
             setattr(moe, name, nn.Parameter(getattr(moe, name).detach()[sl].clone()))
-        moe.ep_group, moe.ep_size, moe.n_local = group, ep_size, E // ep_size
-        moe.dispatch, moe.capacity_factor = dispatch, capacity_factor
+        moe.dispatch = ExpertParallel(group, ep_size, E // ep_size, dispatch, capacity_factor)
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2
@@ -280,22 +263,13 @@ def apply_fsdp(wrapper: "ParallelCausalLM", reshard_after_forward: bool = True) 
     world. Gradients are summed across ranks (divide factor 1): the loss is normalised globally."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in wrapper.model.decoder_layers():
+    for layer in decoder_layers(wrapper):
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(wrapper, reshard_after_forward=reshard_after_forward)
     for m in wrapper.modules():
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-
-
-# -------------------------------------------------------------------------------------------- compile
-def compile_layers(model: GLM52ForCausalLM, backend, fullgraph: bool = True, dynamic_tokens: bool = True) -> None:
-    """Compile each decoder layer's ``forward`` (so compile(checkpoint(body))), leaving the module's
-    ``__call__`` and its hooks (FSDP2's all-gather / reshard) eager around the compiled region."""
-    for layer in model.decoder_layers():
-        layer._dynamic_tokens = dynamic_tokens
-        layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=fullgraph)
 
 
 # ---------------------------------------------------------------------------------------------- batch
@@ -340,31 +314,17 @@ def shard_batch(ids: Tensor, labels: Tensor, dims: ParallelDims, rank: int) -> S
 
 # ----------------------------------------------------------------------------------------------- loss
 class ParallelCausalLM(nn.Module):
-    """Wraps a (parallelised) :class:`GLM52ForCausalLM`; ``forward(shard)`` returns this rank's share of
-    the global loss (sums of token losses over global counts), so the shares add up to the single-rank
-    loss of the global batch and summed gradients equal its gradients. Being a module, it is FSDP2's root."""
+    """FSDP2's root around a (parallelised) :class:`GLM52ForCausalLM`: ``forward(shard)`` returns this rank's
+    share of the global loss (sums of token losses over global counts), so the shares add up to the
+    single-rank loss of the global batch and summed gradients equal its gradients."""
 
     def __init__(self, model: GLM52ForCausalLM):
         super().__init__()
         self.model = model
 
     def forward(self, b: Shard) -> Tensor:
-        m = self.model
-        x = m.embed(b.ids)                                                       # [T, hidden]
-        topk_ids = None
-        for layer in m.layers:
-            x, topk_ids = layer(*_token_dynamic(layer, x, b.positions, b.starts, b.ends, topk_ids))
-        logits = m.head(m.norm(x)).float()
-        loss = F.cross_entropy(logits, b.labels, ignore_index=-100, reduction="sum") / b.n_labels
-        if m.mtp:
-            next_embeds = m.embed(b.labels.clamp_min(0))                         # token t+1 at position t
-            mtp = 0.0
-            for layer in m.mtp:
-                h = layer(x, next_embeds, b.positions, b.starts, b.ends, topk_ids)
-                mtp = mtp + F.cross_entropy(m.head(h).float(), b.mtp_targets, ignore_index=-100,
-                                            reduction="sum") / b.n_mtp
-            loss = loss + m.cfg.mtp_loss_weight * mtp / len(m.mtp)
-        return loss
+        return self.model(b.ids, b.labels, positions=b.positions, starts=b.starts, ends=b.ends,
+                          mtp_targets=b.mtp_targets, num_labels=b.n_labels, num_mtp_targets=b.n_mtp)
 
 
 def _is_expert_param(name: str) -> bool:
@@ -394,11 +354,3 @@ def sync_grads(model: nn.Module, groups: ParallelGroups) -> None:
 def _pg(name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(name)
-
-
-def config_for(preset: str, **overrides) -> GLM52Config:
-    presets = {"tiny": GLM52Config.tiny, "bench": GLM52Config.bench, "glm52": GLM52Config.glm52}
-    if preset not in presets:
-        raise ValueError(f"unknown preset {preset!r}; use one of {sorted(presets)}")
-    return presets[preset](**overrides)
-

@@ -26,13 +26,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .model import GLM52ForCausalLM
-from .ops.dsa_topk import topk_calls
+from sacpass.testing import OpCounter
+
+from .compile import apply_ac, apply_compile
+from .config import PRESETS, GLM52Config
+from .model import GLM52ForCausalLM, MoE
 from .parallel import (DISPATCHERS, ParallelCausalLM, ParallelDims, ParallelGroups, apply_ep, apply_fsdp,
-                       apply_sp, compile_layers, config_for, expert_slice, shard_batch, sync_grads,
-                       _is_expert_param)
+                       apply_sp, expert_slice, shard_batch, sync_grads, _is_expert_param)
 
 BACKENDS = ("sacpass", "inductor", "aot_eager", "eager")
+TOPK_OP = "glm52::dsa_topk_indices"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep-dispatch", choices=DISPATCHERS, default="padded")
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="padded dispatch: rows per destination = ceil(f * T * k / ep); default dropless")
-    p.add_argument("--preset", default="tiny", help="GLM52Config preset: tiny | bench | glm52")
+    p.add_argument("--preset", default="tiny", choices=PRESETS, help="GLM52Config preset")
     p.add_argument("--layers", type=int, default=None, help="override num_layers")
     p.add_argument("--first-dense", type=int, default=None, help="override first_k_dense")
     p.add_argument("--mtp", type=int, default=None, help="override mtp_layers (0 or 1)")
@@ -84,8 +87,8 @@ def _config(args):
     over = {k: v for k, v in (("num_layers", args.layers), ("first_k_dense", args.first_dense),
                               ("mtp_layers", args.mtp)) if v is not None}
     if "num_layers" in over and "first_k_dense" not in over:
-        over["first_k_dense"] = min(config_for(args.preset).first_k_dense, over["num_layers"])
-    return config_for(args.preset, **over)
+        over["first_k_dense"] = min(GLM52Config.preset(args.preset).first_k_dense, over["num_layers"])
+    return GLM52Config.preset(args.preset, **over)
 
 
 def _backend(args):
@@ -156,15 +159,11 @@ def _compare_grads(model: GLM52ForCausalLM, ref: GLM52ForCausalLM, ep: int, ep_r
 def _record_routing(ref: GLM52ForCausalLM) -> list[list[int]]:
     """Hook the replica's MoE layers: each forward appends that layer's tokens-per-expert counts, so a
     run can show that routing changed between steps (the compiled graphs must not)."""
-    from .model import MoE
-
     log: list[list[int]] = []
 
     def hook(mod, inputs, _out):
-        x = inputs[0]
         with torch.no_grad():
-            scores = torch.nn.functional.linear(x.float(), mod.gate.float()).sigmoid()
-            expert = torch.topk(scores + mod.e_score_correction_bias, mod.top_k, dim=-1).indices
+            expert, _ = mod.route(inputs[0])
             log.append(torch.bincount(expert.flatten(), minlength=mod.n_experts).tolist())
 
     for m in ref.modules():
@@ -193,9 +192,10 @@ def train(args) -> dict:
         apply_sp(model, groups.sp)
     if groups.ep is not None:
         apply_ep(model, groups.ep, dims.ep, groups.ep_rank, args.ep_dispatch, args.capacity_factor)
+    apply_ac(model)
     backend = _backend(args)
     if args.backend != "eager":
-        compile_layers(model, backend, fullgraph=True)
+        apply_compile(model, backend, fullgraph=True)
     wrapper = ParallelCausalLM(model)
     if dims.fsdp:
         apply_fsdp(wrapper)
@@ -223,10 +223,10 @@ def train(args) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            loss = wrapper(shard)
-            fw_topk = topk_calls().count
-            loss.backward()
-            bw_topk = topk_calls().count - fw_topk
+            with OpCounter(TOPK_OP) as topk:
+                loss = wrapper(shard)
+                loss.backward()
+            bw_topk = topk.backward
             if not dims.fsdp:
                 sync_grads(wrapper, groups)
             total = loss.detach().float().clone()
@@ -248,7 +248,6 @@ def train(args) -> dict:
                 torch.cuda.synchronize(device)
             rec["seconds"] = time.perf_counter() - t0
             rec["peak_mem_mib"] = _peak_mem_mib(device)
-            topk_calls().reset()
             steps.append(rec)
             if rank == 0:
                 extra = (f"  ref {rec['ref_loss']:.6f}  grad rel err {rec['grad_max_rel_err']:.2e}"

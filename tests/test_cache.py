@@ -2,7 +2,8 @@
 import torch
 
 import sacpass
-from toy import TOY_TOPK_CALLS, ToyLayer
+from sacpass.testing import OpCounter
+from toy import TOY_TOPK_OPS, ToyLayer
 
 TOPK = "sacpass_toy::topk_ids"
 
@@ -11,9 +12,9 @@ def compile_and_step(model, x, save):
     torch._dynamo.reset()
     be = sacpass.backend(save=save, use_registered=False, save_discrete=False)  # inner="inductor": the caches under test
     out = torch.compile(model, backend=be, fullgraph=True)(x.clone().requires_grad_(True))
-    n = TOY_TOPK_CALLS.count
-    out.sum().backward()
-    return be, TOY_TOPK_CALLS.count - n
+    with OpCounter(*TOY_TOPK_OPS) as topk:
+        out.sum().backward()
+    return be, topk.total
 
 
 def must_saved(report):

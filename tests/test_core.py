@@ -7,7 +7,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import sacpass
-from toy import ATEN_TOPK_CALLS, TOY_TOPK_CALLS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, grads_of
+import sacpass.testing
+from toy import TOY_TOPK_OPS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, grads_of
 
 TOPK = "sacpass_toy::topk_ids"
 
@@ -16,12 +17,10 @@ def run_step(model, x):
     """Forward + backward; returns (out, grads, top-k runs in forward, top-k runs in backward)."""
     x = x.detach().clone().requires_grad_(True)
     model.zero_grad(set_to_none=True)
-    n0 = TOY_TOPK_CALLS.count
-    out = model(x)
-    n1 = TOY_TOPK_CALLS.count
-    out.square().sum().backward()
-    n2 = TOY_TOPK_CALLS.count
-    return out.detach(), grads_of(model, x), n1 - n0, n2 - n1
+    with sacpass.testing.OpCounter(*TOY_TOPK_OPS) as topk:
+        out = model(x)
+        out.square().sum().backward()
+    return out.detach(), grads_of(model, x), topk.forward, topk.backward
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -235,7 +234,7 @@ def test_registered_policy_is_the_default():
                                         ("effectful", "sacpass_toy::topk_ids_effectful")])
 def test_wrapped_ops(variant, op):
     """auto_functionalized / with_effects around the selected op: the wrapper and its outputs are tagged."""
-    from toy import WrappedTopkLayer
+    from toy import WRAPPED_TOPK_CALLS, WrappedTopkLayer
     ref = WrappedTopkLayer(variant)
     x = torch.randn(16, 32)
     _, grads_e, _, _ = run_step(ref, x)
@@ -243,7 +242,13 @@ def test_wrapped_ops(variant, op):
     be = sacpass.backend(save=[op], inner="aot_eager", use_registered=False, save_discrete=False)
     model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
     seen_before = float(model.seen)
-    _, grads_s, fw, bw = run_step(model, x)
+    xs = x.detach().clone().requires_grad_(True)
+    n0 = WRAPPED_TOPK_CALLS["count"]
+    out = model(xs)
+    n1 = WRAPPED_TOPK_CALLS["count"]
+    out.square().sum().backward()
+    fw, bw = n1 - n0, WRAPPED_TOPK_CALLS["count"] - n1
+    grads_s = grads_of(model, xs)
     assert (fw, bw) == (1, 0)
     assert_close_lists(grads_s, grads_e, rtol=1e-4, atol=1e-5)
     joint = be.results[0].joint_text

@@ -21,6 +21,11 @@ def test_demo_end_to_end(tmp_path):
     assert "top-k executions during backward per step: [2, 2]" in out  # control: 2 full top-k layers
     assert "top-k executions during backward per step: [0, 0]" in out  # sacpass
     assert "glm52::dsa_topk_indices.default" in out and "must-save" in out
+    # which layers share which graph (layer 2 and the MTP layer have one structure), in both runs
+    assert out.count("  g2: moe/shared-topk: layer 2, mtp 0") == 2, out
+    # activations apart from graph inputs: the control saves none, sacpass the two full layers' int32 IDs
+    assert "saved for backward, all graphs: activations 0 bytes in 0 tensors;" in out
+    assert f"saved for backward, all graphs: activations {2 * 64 * 32 * 4} bytes in 2 tensors;" in out
     diff = subprocess.run([sys.executable, "-m", "sacpass", "diff", str(dump / "control"), str(dump / "sacpass")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert diff.returncode == 1, diff.stdout + diff.stderr  # the top-k moved from backward to saved

@@ -260,3 +260,34 @@ def test_ep_capacity_drops_assignments_past_capacity(one_rank_group):
             expected[t] += weight.flatten()[i] * (h @ ref.w_down[e])
         torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(ref(x), expected, atol=1e-4)                      # something was dropped
+
+
+def test_sp_and_ep_hooks_keep_the_model(one_rank_group):
+    """apply_sp and apply_ep set the hooks (all-gather, expert all-to-all over a 1-rank group: every key and
+    expert local): the whole model's loss and gradients equal the plain model's, parameter names unchanged."""
+    import copy
+
+    import torch
+
+    from glm52_model import GLM52Config, GLM52ForCausalLM
+    from glm52_model.parallel import AllGather, ExpertParallel, apply_ep, apply_sp
+
+    torch.manual_seed(0)
+    ref = GLM52ForCausalLM(GLM52Config.tiny())
+    model = copy.deepcopy(ref)
+    apply_sp(model, one_rank_group)
+    apply_ep(model, one_rank_group, ep_size=1, ep_rank=0)
+    assert isinstance(model.layers[1].attn.indexer.gather_keys, AllGather)
+    assert isinstance(model.mtp[0].block.mlp.dispatch, ExpertParallel)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    ids = torch.randint(0, ref.cfg.vocab_size, (2, 24))
+    labels = torch.roll(ids, -1, dims=1)
+    loss, ref_loss = model(ids, labels=labels), ref(ids, labels=labels)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)

@@ -1,6 +1,7 @@
 """glm52_model: config presets, the tiny model eager (FP8 on/off, MTP, shared top-k layer), recompute
-equivalence, the top-k call counter, packing, meta-device GLM-5.2 size, and compiled layers
-(aot_eager, fullgraph) matching eager with 0 graph breaks and no recompile across lengths."""
+equivalence (apply_ac), top-k runs by phase, packing, a parallel rank's forward (global loss normalisation),
+meta-device GLM-5.2 size, and compiled layers (apply_compile: aot_eager, fullgraph) matching eager with 0
+graph breaks and no recompile across lengths."""
 import copy
 
 import pytest
@@ -8,7 +9,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from glm52_model import GLM52Config, GLM52ForCausalLM
-from glm52_model.ops.dsa_topk import topk_calls
+from glm52_model.compile import apply_ac, apply_compile
+from glm52_model.config import PRESETS
+from glm52_model.parallel import ParallelCausalLM, ParallelDims, shard_batch
+from sacpass.testing import OpCounter
+
+TOPK_OP = "glm52::dsa_topk_indices"
 
 PUBLISHED_GLM5_TOTAL = 744e9          # published total parameter count (main model, MTP excluded)
 PUBLISHED_TOLERANCE = 0.01            # our analytic count must be within 1% of it
@@ -50,6 +56,8 @@ def test_presets_and_layer_kinds():
     assert t.mtp_layers == 1
     for preset in (GLM52Config.tiny, GLM52Config.bench, GLM52Config.glm52):
         assert preset().recompute is True and preset(fp8=True).fp8 is True
+    for name in PRESETS:
+        assert GLM52Config.preset(name, fp8=True) == getattr(GLM52Config, name)(fp8=True)
 
 
 def test_config_errors():
@@ -61,6 +69,10 @@ def test_config_errors():
         GLM52Config.tiny(index_topk_offset=0)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         GLM52Config.tiny(num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="unknown preset 'nope'; valid presets are tiny, bench, glm52"):
+        GLM52Config.preset("nope")
+    with pytest.raises(TypeError, match="unknown option.*'layers'"):
+        GLM52Config.preset("tiny", layers=2)
 
 
 def test_glm52_on_meta_device_param_count():
@@ -110,17 +122,47 @@ def test_recompute_on_off_equal():
         torch.testing.assert_close(g_on[n], g_off[n], rtol=1e-6, atol=1e-7, msg=n)
 
 
-def test_topk_counter_counts_calls():
+def test_apply_ac_switches_recompute():
     full = len(GLM52Config.tiny().full_topk_layers())
     assert full == 2
     ids, labels = _batch(GLM52Config.tiny(), 32)
-    for recompute, expected_bwd in ((True, full), (False, 0)):
-        model = _model(recompute=recompute)
-        topk_calls().reset()
-        loss = model(ids, labels=labels)
-        assert topk_calls().count == full                                          # one per full layer
-        loss.backward()
-        assert topk_calls().count == full + expected_bwd                           # eager AC replays them
+    model = _model()
+    for enabled, expected_bwd in ((True, full), (False, 0), (True, full)):
+        apply_ac(model, enabled)
+        with OpCounter(TOPK_OP) as topk:
+            model(ids, labels=labels).backward()
+        assert topk.forward == full                                              # one per full layer
+        assert topk.backward == expected_bwd                                     # eager AC replays them
+
+
+def test_parallel_ranks_losses_add_up_to_the_global_loss():
+    """Two data-parallel ranks (one sequence each, no collectives needed): each passes positions, key
+    ranges, MTP targets and the global label counts; their losses and gradients add up to the model's."""
+    model = _model()
+    ids, labels = _batch(model.cfg, 24)
+    labels[0, 5:9] = -100                                                        # uneven valid counts
+    model(ids, labels=labels).backward()
+    ref = _grads(model)
+    ref_loss = model(ids, labels=labels).detach()
+    model.zero_grad()
+    wrapper, dims = ParallelCausalLM(model), ParallelDims(world=2)
+    total = sum(wrapper(shard_batch(ids, labels, dims, rank)) for rank in range(2))
+    total.backward()
+    torch.testing.assert_close(total, ref_loss, rtol=1e-6, atol=1e-6)
+    got = _grads(model)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_rank_inputs_are_checked():
+    model = _model()
+    ids, labels = _batch(model.cfg, 8, B=1)
+    pos = torch.arange(8)
+    with pytest.raises(ValueError, match="positions, starts and ends together"):
+        model(ids, labels, positions=pos)
+    with pytest.raises(ValueError, match="pass mtp_targets too"):
+        model(ids, labels, positions=pos, starts=torch.zeros(8, dtype=torch.int32), ends=(pos + 1).int())
 
 
 def test_shared_layer_needs_ids():
@@ -151,8 +193,10 @@ def test_packed_sequences_do_not_attend_across():
 # ---------------------------------------------------------------------------------------------- compile
 def _compiled_vs_eager(fp8, lengths, dynamic_tokens, graphs=3, **overrides):
     eager = _model(fp8=fp8, **overrides)
-    compiled = copy.deepcopy(eager).compile_layers(backend="aot_eager", fullgraph=True,
-                                                   dynamic_tokens=dynamic_tokens)
+    compiled = apply_compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True,
+                             dynamic_tokens=dynamic_tokens)
+    with pytest.raises(ValueError, match="compiled already"):
+        apply_compile(compiled, backend="aot_eager")
     counters.clear()
     full = len(eager.cfg.full_topk_layers())
     for S in lengths:
@@ -160,12 +204,11 @@ def _compiled_vs_eager(fp8, lengths, dynamic_tokens, graphs=3, **overrides):
         eager.zero_grad(), compiled.zero_grad()
         l_e = eager(ids, labels=labels)
         l_e.backward()
-        topk_calls().reset()
-        l_c = compiled(ids, labels=labels)
-        assert topk_calls().count == full
-        l_c.backward()
+        with OpCounter(TOPK_OP) as topk:
+            l_c = compiled(ids, labels=labels)
+            l_c.backward()
         # control (no sacpass): the compiled checkpoint recomputes every full layer's top-k in backward
-        assert topk_calls().count == 2 * full
+        assert (topk.forward, topk.backward) == (full, full)
         torch.testing.assert_close(l_c, l_e, rtol=1e-5, atol=1e-5)
         g_e, g_c = _grads(eager), _grads(compiled)
         assert g_e.keys() == g_c.keys()

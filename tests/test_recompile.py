@@ -14,7 +14,8 @@ from torch._dynamo.utils import counters
 
 import sacpass
 from fuzz_ops import D, FuzzModel, Program
-from toy import TOY_TOPK_CALLS
+from sacpass.testing import OpCounter
+from toy import TOY_TOPK_OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPK = "sacpass_toy::topk_ids"
@@ -28,9 +29,9 @@ def compile_step(save=None, recompute=None, length=8, inner="inductor", strict=T
     be = sacpass.backend(save=save, recompute=recompute, inner=inner, strict=strict, use_registered=False, save_discrete=False)
     model = torch.compile(FuzzModel(PROGRAM), backend=be, fullgraph=True, **compile_kw)
     out = model(torch.randn(length, D, requires_grad=True))
-    n = TOY_TOPK_CALLS.count
-    out.sum().backward()
-    return be, TOY_TOPK_CALLS.count - n
+    with OpCounter(*TOY_TOPK_OPS) as topk:
+        out.sum().backward()
+    return be, topk.total
 
 
 def aot_counts():
@@ -65,18 +66,19 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, "tests")
     import sacpass
     from fuzz_ops import D, FuzzModel, Program
-    from toy import TOY_TOPK_CALLS
+    from sacpass.testing import OpCounter
+    from toy import TOY_TOPK_OPS
     with ic.patch(fx_graph_cache=True, fx_graph_remote_cache=False), fc.patch(enable_autograd_cache=True):
         # the packet spelling of the parent's "sacpass_toy::topk_ids": the same policy, the same key
         be = sacpass.backend(save=[torch.ops.sacpass_toy.topk_ids], use_registered=False, save_discrete=False)
         model = torch.compile(FuzzModel(Program(("nograd_ids", "sin"), ((0, 2),))), backend=be, fullgraph=True)
         out = model(torch.randn(8, D, requires_grad=True))
-        n = TOY_TOPK_CALLS.count
-        out.sum().backward()
+        with OpCounter(*TOY_TOPK_OPS) as topk:
+            out.sum().backward()
     rep = be.reports[0]
     print(json.dumps({"aot": dict(counters["aot_autograd"]), "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
                       "from_cache": rep.from_cache, "report": json.loads(rep.to_json()),
-                      "backward_topk_runs": TOY_TOPK_CALLS.count - n}))
+                      "backward_topk_runs": topk.total}))
 """)
 
 
@@ -112,9 +114,9 @@ def test_dynamic_lengths(how):
         if how == "mark_dynamic":
             torch._dynamo.mark_dynamic(x, 0)
         out = model(x)
-        n = TOY_TOPK_CALLS.count
-        out.sum().backward()
-        assert TOY_TOPK_CALLS.count == n, f"length {length}: the top-k ran again in backward"
+        with OpCounter(*TOY_TOPK_OPS) as topk:
+            out.sum().backward()
+        assert topk.total == 0, f"length {length}: the top-k ran again in backward"
     assert counters["stats"]["unique_graphs"] == len(be.reports) == (1 if how == "mark_dynamic" else 2)
     row = [s for s in be.reports[-1].saved if s.reason == "must-save"]
     assert [s.op for s in row] == [TOPK + ".default"] and not row[0].shape[0].isdigit(), row
@@ -129,9 +131,9 @@ def test_lambda_policy_bypasses_both_caches(fresh_cache):
             be = sacpass.backend(save=[lambda n: "topk_ids" in n.name], use_registered=False, save_discrete=False)
         model = torch.compile(FuzzModel(PROGRAM), backend=be, fullgraph=True)
         out = model(torch.randn(8, D, requires_grad=True))
-        n = TOY_TOPK_CALLS.count
-        out.sum().backward()
-        assert TOY_TOPK_CALLS.count == n, "the policy still applies without caching"
+        with OpCounter(*TOY_TOPK_OPS) as topk:
+            out.sum().backward()
+        assert topk.total == 0, "the policy still applies without caching"
         aot = aot_counts()
         assert aot.get("autograd_cache_bypass", 0) >= 1 and "autograd_cache_hit" not in aot, (attempt, aot)
         assert "autograd_cache_saved" not in aot, aot

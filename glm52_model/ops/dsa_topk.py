@@ -10,9 +10,9 @@ contiguous int32 ``[S, topk]`` tensor padded with -1 where fewer than ``topk`` k
 The IDs are integers: the op has no autograd (nothing flows back through a selection). It is cheap to
 store and expensive to recompute, which is why it is declared must-save for sacpass at import.
 
-File layout: kernel (chunked PyTorch, any device), custom op + fake, the call counter, the ``ref_``
-naive reference. The CUDA kernel (TileLang) is registered on the same op by ``glm52_model.ops.cuda``;
-it must call :func:`count_call` once per execution so that tests counting re-executions stay valid.
+File layout: input checks and kernel (chunked PyTorch, any device), custom op + fake, the ``ref_`` naive
+reference. The CUDA kernel (TileLang) is registered on the same op by ``glm52_model.ops.cuda`` and checks
+its inputs with the same :func:`_check`. Tests count executions with ``sacpass.testing.OpCounter``.
 """
 from __future__ import annotations
 
@@ -21,41 +21,11 @@ from torch import Tensor
 
 from sacpass import register_must_save
 
-__all__ = ["dsa_topk_indices", "ref_dsa_topk_indices", "ref_dsa_scores", "topk_calls", "count_call",
-           "TOPK_CALLS"]
+__all__ = ["dsa_topk_indices", "ref_dsa_topk_indices", "ref_dsa_scores"]
 
 # Query rows per chunk are chosen so that one chunk's [C, H, Sk] fp32 score block stays under this many
 # elements (64 Mi elements = 256 MiB), which bounds the kernel's memory independently of S.
 _CHUNK_ELEMENTS = 1 << 26
-
-
-class _CallCounter:
-    """How many times a real (non-fake) top-k kernel ran in this process."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def bump(self) -> None:
-        self.count += 1
-
-    def reset(self) -> None:
-        self.count = 0
-
-    def __repr__(self) -> str:
-        return f"TopkCalls(count={self.count})"
-
-
-TOPK_CALLS = _CallCounter()
-
-
-def topk_calls() -> _CallCounter:
-    """The process-wide counter of top-k kernel executions (``.count``, ``.reset()``)."""
-    return TOPK_CALLS
-
-
-def count_call() -> None:
-    """Every kernel registered on ``glm52::dsa_topk_indices`` calls this once per execution."""
-    TOPK_CALLS.bump()
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -75,6 +45,7 @@ def _check(q: Tensor, k: Tensor, weights: Tensor, starts: Tensor, ends: Tensor, 
 def _dsa_topk_kernel(q: Tensor, k: Tensor, weights: Tensor, starts: Tensor, ends: Tensor, topk: int,
                      scale: float) -> Tensor:
     """Chunked PyTorch kernel: score a block of queries against every key, mask, then top-k."""
+    _check(q, k, weights, starts, ends, topk)
     S, H, _ = q.shape
     Sk = k.shape[0]
     out = torch.full((S, topk), -1, dtype=torch.int32, device=q.device)
@@ -100,8 +71,6 @@ def _dsa_topk_kernel(q: Tensor, k: Tensor, weights: Tensor, starts: Tensor, ends
 def dsa_topk_indices(q: Tensor, k: Tensor, weights: Tensor, starts: Tensor, ends: Tensor, topk: int,
                      scale: float) -> Tensor:
     """Top-k key IDs per query, int32 [S, topk], -1 padded. See the module docstring."""
-    _check(q, k, weights, starts, ends, topk)
-    count_call()
     return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale)
 
 

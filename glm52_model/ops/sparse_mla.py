@@ -9,9 +9,9 @@ Every head of query i attends to the same ``topk`` selected rows of one shared l
     lse      [S, H] fp32   natural-log log-sum-exp of the scaled scores; +inf for a row with no
                            valid key (so exp(s - lse) = 0 and that row's out and grads are 0)
 
-File layout: chunked PyTorch kernels (forward, backward), custom ops + fakes, ``register_autograd``,
-then the ``ref_`` dense reference. CUDA kernels (TileLang) are registered on the same ops by
-``glm52_model.ops.cuda``.
+File layout: input checks, chunked PyTorch kernels (forward, backward), custom ops + fakes,
+``register_autograd``, then the ``ref_`` dense reference. CUDA kernels (TileLang) are registered on the same
+ops by ``glm52_model.ops.cuda`` and check their inputs with the same :func:`_check`.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def _probs(q: Tensor, kv_g: Tensor, valid: Tensor, lse: Tensor, sm_scale: float)
 
 def _sparse_mla_fwd_kernel(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float,
                            d_v: int) -> tuple[Tensor, Tensor]:
+    _check(q, kv, indices, d_v)
     S, H, D = q.shape
     out = q.new_empty((S, H, d_v))
     lse = torch.empty((S, H), dtype=torch.float32, device=q.device)
@@ -72,6 +73,7 @@ def _sparse_mla_fwd_kernel(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: flo
 
 def _sparse_mla_bwd_kernel(q: Tensor, kv: Tensor, out: Tensor, dout: Tensor, indices: Tensor, lse: Tensor,
                            sm_scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    _check(q, kv, indices, d_v)
     S, H, D = q.shape
     dq = q.new_empty(q.shape)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
@@ -96,7 +98,6 @@ def _sparse_mla_bwd_kernel(q: Tensor, kv: Tensor, out: Tensor, dout: Tensor, ind
 @torch.library.custom_op("glm52::sparse_mla", mutates_args=())
 def sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int) -> tuple[Tensor, Tensor]:
     """Absorbed sparse MLA forward: (out [S, H, d_v] in q.dtype, lse [S, H] fp32)."""
-    _check(q, kv, indices, d_v)
     return _sparse_mla_fwd_kernel(q, kv, indices, sm_scale, d_v)
 
 
@@ -111,7 +112,6 @@ def _(q, kv, indices, sm_scale, d_v):
 def sparse_mla_bwd(q: Tensor, kv: Tensor, out: Tensor, dout: Tensor, indices: Tensor, lse: Tensor,
                    sm_scale: float, d_v: int) -> tuple[Tensor, Tensor]:
     """Backward of :func:`sparse_mla`: (dq like q, dkv like kv). Needs the forward's out and lse."""
-    _check(q, kv, indices, d_v)
     return _sparse_mla_bwd_kernel(q, kv, out, dout, indices, lse, sm_scale, d_v)
 
 

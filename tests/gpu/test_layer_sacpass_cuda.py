@@ -16,10 +16,10 @@ import torch
 
 import sacpass
 from glm52_model import GLM52Config
+from glm52_model.compile import apply_compile
 from glm52_model.model import DecoderLayer, init_weights, packed_ranges
-from glm52_model.ops.dsa_topk import topk_calls
 from helpers import assert_similar
-
+from sacpass.testing import OpCounter
 
 
 def _layer(cfg: GLM52Config, device: str) -> DecoderLayer:
@@ -34,15 +34,13 @@ def _step(fn, layer, x0, positions, starts, ends):
     """fwd + bwd; (loss, top-k runs in forward, in backward, grads by name incl. 'x')."""
     layer.zero_grad(set_to_none=True)
     x = x0.detach().requires_grad_()
-    c0 = topk_calls().count
-    out, ids = fn(x, positions, starts, ends)
-    loss = out.float().square().mean()
-    c1 = topk_calls().count
-    loss.backward()
-    c2 = topk_calls().count
+    with OpCounter("glm52::dsa_topk_indices") as topk:
+        out, ids = fn(x, positions, starts, ends)
+        loss = out.float().square().mean()
+        loss.backward()
     grads = {n: p.grad.float() for n, p in layer.named_parameters() if p.grad is not None}
     grads["x"] = x.grad.float()
-    return loss.detach().float(), c1 - c0, c2 - c1, grads
+    return loss.detach().float(), topk.forward, topk.backward, grads
 
 
 def check_layer(device: str = "cuda", inner: str = "inductor") -> None:
@@ -62,16 +60,14 @@ def check_layer(device: str = "cuda", inner: str = "inductor") -> None:
     assert (f_e, b_e) == (1, 1), "eager checkpoint replays the top-k once in backward"
 
     torch._dynamo.reset()
-    control = copy.deepcopy(base)
-    control_fn = torch.compile(control, backend=inner, fullgraph=True)
-    l_c, f_c, b_c, g_c = _step(control_fn, control, x0, positions, starts, ends)
+    control = apply_compile(copy.deepcopy(base), backend=inner)
+    l_c, f_c, b_c, g_c = _step(control, control, x0, positions, starts, ends)
     assert f_c == 1 and b_c >= 1, f"control: top-k runs fwd {f_c}, bwd {b_c} (expected 1, >= 1)"
 
     be = sacpass.backend(inner=inner)
-    layer = copy.deepcopy(base)
-    fn = torch.compile(layer, backend=be, fullgraph=True)
+    layer = apply_compile(copy.deepcopy(base), backend=be)
     for _ in range(2):                                   # the second step runs the cached compiled graphs
-        l_s, f_s, b_s, g_s = _step(fn, layer, x0, positions, starts, ends)
+        l_s, f_s, b_s, g_s = _step(layer, layer, x0, positions, starts, ends)
         assert (f_s, b_s) == (1, 0), f"sacpass: top-k runs fwd {f_s}, bwd {b_s} (expected 1, 0)"
 
     must = [s for r in be.reports for s in r.saved if s.reason == "must-save"]

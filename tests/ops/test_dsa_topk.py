@@ -1,10 +1,11 @@
-"""glm52::dsa_topk_indices: opcheck, chunked kernel vs the naive dense reference, padding, counter."""
+"""glm52::dsa_topk_indices: opcheck, chunked kernel vs the naive dense reference, padding, run counts."""
 import pytest
 import torch
 
 import glm52_model.ops  # noqa: F401  (registers the ops)
 from glm52_model.ops import dsa_topk
-from glm52_model.ops.dsa_topk import ref_dsa_scores, ref_dsa_topk_indices, topk_calls
+from glm52_model.ops.dsa_topk import ref_dsa_scores, ref_dsa_topk_indices
+from sacpass.testing import OpCounter
 
 OP = torch.ops.glm52.dsa_topk_indices
 
@@ -52,17 +53,15 @@ def test_chunking_is_invisible(monkeypatch):
     torch.testing.assert_close(OP(q, k, w, starts, ends, 16, 1.0), full)
 
 
-def test_requires_grad_inputs_and_counter():
+def test_requires_grad_inputs_and_run_count():
     q, k, w, starts, ends = _inputs()
     q.requires_grad_(), k.requires_grad_(), w.requires_grad_()
-    topk_calls().reset()
-    ids = OP(q, k, w, starts, ends, 8, 0.5)
-    assert not ids.requires_grad and topk_calls().count == 1
-    with torch.no_grad():
-        OP(q, k, w, starts, ends, 8, 0.5)
-    assert topk_calls().count == 2
-    topk_calls().reset()
-    assert topk_calls().count == 0
+    with OpCounter(OP) as topk:
+        ids = OP(q, k, w, starts, ends, 8, 0.5)
+        assert not ids.requires_grad and topk.forward == 1
+        with torch.no_grad():
+            OP(q, k, w, starts, ends, 8, 0.5)
+    assert (topk.forward, topk.backward) == (2, 0)
 
 
 def test_opcheck():

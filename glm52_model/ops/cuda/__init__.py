@@ -5,10 +5,16 @@ Importing this package registers, when TileLang imports:
 - ``glm52::dsa_topk_indices``: fused indexer logits + radix top-k (:mod:`.dsa_topk_tl`);
 - ``glm52::sparse_mla`` / ``glm52::sparse_mla_bwd``: sparse MLA forward / backward (:mod:`.sparse_mla_tl`).
 
-Without TileLang nothing is registered and the PyTorch reference kernels run on CUDA as well.
+Without TileLang these ops run their PyTorch reference kernels on CUDA too, each warning once
+(:func:`._common.reference_fallback`). With TileLang, inputs the kernels do not take (dtypes other than
+bfloat16, other latent widths) also run the reference kernel, with a one-time warning.
 The ops must already be defined: ``glm52_model.ops`` imports the reference families first.
 Kernels are JIT-compiled on first use per shape family (a few seconds each) and cached by TileLang.
 """
+import torch
+
+from .. import dsa_topk, sparse_mla
+from ._common import reference_fallback
 
 try:
     import tilelang  # noqa: F401
@@ -17,13 +23,24 @@ except ImportError:
 else:
     TILELANG_AVAILABLE = True
 
+# the ops that have a TileLang kernel, and their PyTorch kernels
+REFERENCE_KERNELS = {
+    "glm52::dsa_topk_indices": dsa_topk._dsa_topk_kernel,
+    "glm52::sparse_mla": sparse_mla._sparse_mla_fwd_kernel,
+    "glm52::sparse_mla_bwd": sparse_mla._sparse_mla_bwd_kernel,
+}
+
 if TILELANG_AVAILABLE:
     from . import dsa_topk_tl, sparse_mla_tl
 
     dsa_topk_tl.register()
     sparse_mla_tl.register()
+else:
+    for _op, _reference in REFERENCE_KERNELS.items():
+        torch.library.register_kernel(_op, "cuda")(reference_fallback(_op, _reference))
 
-__all__ = ["TILELANG_AVAILABLE", "build_kernel_source", "build_kernel_source_or_error", "ci_kernel_names"]
+__all__ = ["TILELANG_AVAILABLE", "REFERENCE_KERNELS", "build_kernel_source", "build_kernel_source_or_error",
+           "ci_kernel_names"]
 
 
 def ci_kernel_names(target_arch: str = "sm_90a") -> list:

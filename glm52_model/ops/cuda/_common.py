@@ -1,11 +1,17 @@
-"""Shared helpers for the TileLang kernels: target selection and padding."""
+"""Shared helpers for the TileLang kernels: target selection, padding, and the one-time warnings of the
+launchers that hand an input to the PyTorch reference kernel. No TileLang import here: the fallbacks
+registered without TileLang use this module too."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+from typing import Callable
+
 import torch
 
-# Hopper wgmma code needs the "a" arch variant; plain sm_90 fails in nvcc (FACTS.md).
-SM90A_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+TILELANG_PIN = "tilelang==0.1.15"
+_warned: set[str] = set()
 
 
 def cuda_target(device: torch.device | None = None) -> dict:
@@ -32,3 +38,24 @@ def pad_dim(t: torch.Tensor, dim: int, size: int, value: float = 0) -> torch.Ten
     shape[dim] = size - cur
     fill = torch.full(shape, value, dtype=t.dtype, device=t.device)
     return torch.cat([t, fill], dim=dim).contiguous()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A UserWarning the first time `key` is seen in this process, nothing after."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def reference_fallback(op: str, reference: Callable) -> Callable:
+    """The CUDA kernel of `op` when TileLang is missing: warns once, then runs `reference` (the op's
+    PyTorch kernel, which checks its inputs as the op does)."""
+
+    @functools.wraps(reference)
+    def kernel(*args):
+        warn_once(f"{op}:no-tilelang",
+                  f"{op}: TileLang is not installed, so CUDA tensors run the PyTorch reference kernel (much "
+                  f"slower). For the CUDA kernel: pip install {TILELANG_PIN}")
+        return reference(*args)
+
+    return kernel

@@ -21,8 +21,8 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from ..dsa_topk import count_call
-from ._common import cuda_target, next_pow2, pad_dim, round_up
+from ..dsa_topk import _check, _dsa_topk_kernel
+from ._common import cuda_target, next_pow2, pad_dim, round_up, warn_once
 
 RADIX_BITS = 8
 RADIX = 1 << RADIX_BITS
@@ -279,18 +279,16 @@ BLOCK_N = 128
 def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
                         ends: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
     """CUDA kernel of `glm52::dsa_topk_indices`: q [S, H, D] bf16, k [Sk, D] bf16, weights [S, H]
-    fp32, starts/ends [S] int32 -> int32 [S, topk], ids by descending score, -1 padded."""
-    if q.dim() != 3 or k.dim() != 2 or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"dsa_topk_indices: want q [S, H, D] and k [Sk, D], got {tuple(q.shape)} "
-                         f"and {tuple(k.shape)}")
+    (fp32 or bf16), starts/ends [S] int32 -> int32 [S, topk], ids by descending score, -1 padded.
+    Other q/k dtypes run the PyTorch kernel (the logits GEMM is bf16: it would round them)."""
+    _check(q, k, weights, starts, ends, topk)
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+        warn_once("glm52::dsa_topk_indices:dtype",
+                  f"glm52::dsa_topk_indices: the TileLang kernel takes bfloat16 q and k; {q.dtype} / {k.dtype} "
+                  f"inputs run the PyTorch reference kernel (slower) instead")
+        return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale)
     S, H, D = q.shape
     Sk = k.shape[0]
-    if weights.shape != (S, H) or starts.shape != (S,) or ends.shape != (S,):
-        raise ValueError(f"dsa_topk_indices: weights must be [{S}, {H}] and starts/ends [{S}], got "
-                         f"{tuple(weights.shape)}, {tuple(starts.shape)}, {tuple(ends.shape)}")
-    if topk <= 0:
-        raise ValueError(f"dsa_topk_indices: topk must be positive, got {topk}")
-    count_call()
     dev = q.device
     out = torch.empty(S, topk, dtype=torch.int32, device=dev)
     if S == 0:
@@ -300,12 +298,12 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     logits_k = compile_indexer_logits(H, D, arch, block_Q=block_Q, block_N=BLOCK_N)
     select_k = compile_topk_select(topk, arch)
 
-    q = q.to(torch.bfloat16).contiguous()
-    k_pad = pad_dim(k.to(torch.bfloat16), 0, round_up(max(Sk, 1), BLOCK_N))
+    q = q.contiguous()
+    k_pad = pad_dim(k, 0, round_up(max(Sk, 1), BLOCK_N))
     Skp = k_pad.shape[0]
     w = (weights.to(torch.float32) * scale).contiguous()
-    starts = starts.to(torch.int32).clamp(0, Sk).contiguous()
-    ends = ends.to(torch.int32).clamp(0, Sk).contiguous()
+    starts = starts.clamp(0, Sk).contiguous()
+    ends = ends.clamp(0, Sk).contiguous()
 
     chunk = max(block_Q, (LOGITS_BUDGET_BYTES // (Skp * 4)) // block_Q * block_Q)
     chunk = min(chunk, round_up(S, block_Q))

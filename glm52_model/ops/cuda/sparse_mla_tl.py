@@ -18,16 +18,17 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from ._common import cuda_target, next_pow2, pad_dim, round_up
+from ..sparse_mla import _check, _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
+from ._common import cuda_target, next_pow2, pad_dim, round_up, warn_once
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-_FWD_PASS_CONFIGS = {
+FWD_PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
 }
-_BWD_PASS_CONFIGS = {
+BWD_PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     tilelang.PassConfigKey.TL_ENABLE_AGGRESSIVE_SHARED_MEMORY_MERGE: True,
@@ -129,10 +130,9 @@ def build_sparse_mla_fwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
 
 def build_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int = 576,
                          dim_v: int = 512, block_I: int = 32, num_stages: int = 0,
-                         threads: int = 256, split_store: int = 2, dkv_atomics: bool = True):
+                         threads: int = 256, split_store: int = 2):
     """Backward: dq [seq, heads, 576] bf16 and fp32 dkv accumulated in place ([seq_kv, 576],
-    zero-initialised by the caller). `heads` padded, `topk` a multiple of block_I.
-    ``dkv_atomics=False`` is for profiling only: everything but the dkv scatter (dkv stays zero)."""
+    zero-initialised by the caller). `heads` padded, `topk` a multiple of block_I."""
     assert heads == padded_heads(heads) and topk % block_I == 0 and block_I % split_store == 0
     D, DT = dim_v, dim_qk - dim_v
     HB = min(heads, 64)
@@ -220,11 +220,11 @@ def build_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
                         if i // BS == part:
                             dkt_s[i % BS, d] = acc_dkt[i, d]
                     for i, d4 in T.Parallel(BS, D // 4):
-                        if dkv_atomics and Idx[s_i, it * block_I + part * BS + i] >= 0:
+                        if Idx[s_i, it * block_I + part * BS + i] >= 0:
                             T.atomic_addx4(dKV[Idx[s_i, it * block_I + part * BS + i], d4 * 4],
                                            dkv_s[i, d4 * 4])
                     for i, d4 in T.Parallel(BS, DT // 4):
-                        if dkv_atomics and Idx[s_i, it * block_I + part * BS + i] >= 0:
+                        if Idx[s_i, it * block_I + part * BS + i] >= 0:
                             T.atomic_addx4(dKV[Idx[s_i, it * block_I + part * BS + i], D + d4 * 4],
                                            dkt_s[i, d4 * 4])
 
@@ -239,7 +239,7 @@ def compile_sparse_mla_fwd(heads: int, topk: int, sm_scale: float, target_arch: 
                            **tunables):
     return tilelang.compile(build_sparse_mla_fwd(heads, topk, sm_scale, **tunables),
                             target={"kind": "cuda", "arch": target_arch},
-                            pass_configs=_FWD_PASS_CONFIGS)
+                            pass_configs=FWD_PASS_CONFIGS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,7 +247,7 @@ def compile_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, target_arch: 
                            **tunables):
     return tilelang.compile(build_sparse_mla_bwd(heads, topk, sm_scale, **tunables),
                             target={"kind": "cuda", "arch": target_arch},
-                            pass_configs=_BWD_PASS_CONFIGS)
+                            pass_configs=BWD_PASS_CONFIGS)
 
 
 def ci_builds(target_arch: str = "sm_90a") -> dict:
@@ -258,10 +258,10 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
     return {
         "sparse_mla_fwd[h64,k2048]": lambda: tilelang.compile(
             build_sparse_mla_fwd(64, 2048, scale, block_I=FWD_BLOCK_I), target=target,
-            pass_configs=_FWD_PASS_CONFIGS),
+            pass_configs=FWD_PASS_CONFIGS),
         "sparse_mla_bwd[h64,k2048]": lambda: tilelang.compile(
             build_sparse_mla_bwd(64, 2048, scale, **bwd_tunables(64)), target=target,
-            pass_configs=_BWD_PASS_CONFIGS),
+            pass_configs=BWD_PASS_CONFIGS),
     }
 
 
@@ -278,16 +278,19 @@ def bwd_tunables(padded_h: int) -> dict:
     return {"block_I": 32, "threads": 256}
 
 
-def _check(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, name: str) -> None:
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError(f"{name}: want q [S, H, Dqk], kv [Sk, Dqk], indices [S, topk]; got "
-                         f"{tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}")
-    if q.shape[-1] != kv.shape[-1] or indices.shape[0] != q.shape[0]:
-        raise ValueError(f"{name}: shapes disagree: q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
-                         f"indices {tuple(indices.shape)}")
+def _takes(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> bool:
+    """Whether the TileLang kernels take these (valid) inputs; warns once per op when they do not (the
+    caller then runs the PyTorch kernel)."""
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        warn_once(f"{op}:dtype", f"{op}: the TileLang kernel takes bfloat16 q and kv; {q.dtype} / {kv.dtype} "
+                                 f"inputs run the PyTorch reference kernel (slower) instead")
+        return False
     if q.shape[-1] - d_v != 64 or d_v % 64:
-        raise ValueError(f"{name}: the TileLang kernel wants a 64-wide rope tail (Dqk = d_v + 64); "
-                         f"got Dqk={q.shape[-1]}, d_v={d_v}")
+        warn_once(f"{op}:shape", f"{op}: the TileLang kernel wants a 64-wide rope tail (Dqk = d_v + 64, d_v "
+                                 f"a multiple of 64); Dqk={q.shape[-1]}, d_v={d_v} run the PyTorch reference "
+                                 f"kernel (slower) instead")
+        return False
+    return True
 
 
 def _prep_indices(indices: torch.Tensor, block: int) -> torch.Tensor:
@@ -297,18 +300,21 @@ def _prep_indices(indices: torch.Tensor, block: int) -> torch.Tensor:
 
 def sparse_mla_tl(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                   d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA kernel of `glm52::sparse_mla`: out [S, H, d_v] bf16, lse [S, H] fp32 (natural log)."""
-    _check(q, kv, indices, d_v, "sparse_mla")
+    """CUDA kernel of `glm52::sparse_mla`: out [S, H, d_v] bf16, lse [S, H] fp32 (natural log), for bf16
+    q and kv (other inputs: the PyTorch kernel, see :func:`_takes`)."""
+    _check(q, kv, indices, d_v)
+    if not _takes(q, kv, d_v, "glm52::sparse_mla"):
+        return _sparse_mla_fwd_kernel(q, kv, indices, sm_scale, d_v)
     S, H, Dqk = q.shape
     Hp = padded_heads(H)
     idx = _prep_indices(indices, FWD_BLOCK_I)
-    qp = pad_dim(q.to(torch.bfloat16), 1, Hp)
+    qp = pad_dim(q, 1, Hp)
     kernel = compile_sparse_mla_fwd(Hp, idx.shape[1], float(sm_scale), cuda_target(q.device)["arch"],
                                     dim_qk=Dqk, dim_v=d_v, block_I=FWD_BLOCK_I)
     out = torch.empty(S, Hp, d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(S, Hp, dtype=torch.float32, device=q.device)
     if S:
-        kernel(qp, kv.to(torch.bfloat16).contiguous(), idx, out, lse)
+        kernel(qp, kv.contiguous(), idx, out, lse)
     if Hp != H:
         out, lse = out[:, :H].contiguous(), lse[:, :H].contiguous()
     return out, lse
@@ -316,16 +322,18 @@ def sparse_mla_tl(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_s
 
 def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                       indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
-                      d_v: int, *, _profile_no_dkv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA kernel of `glm52::sparse_mla_bwd`: dq like q, dkv like kv. (``_profile_no_dkv``: the
-    benchmark's ablation without the dkv scatter; dkv is then wrong.)"""
-    _check(q, kv, indices, d_v, "sparse_mla_bwd")
+                      d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA kernel of `glm52::sparse_mla_bwd`: dq like q, dkv like kv, for bf16 q and kv (other inputs:
+    the PyTorch kernel, see :func:`_takes`)."""
+    _check(q, kv, indices, d_v)
+    if not _takes(q, kv, d_v, "glm52::sparse_mla_bwd"):
+        return _sparse_mla_bwd_kernel(q, kv, out, dout, indices, lse, sm_scale, d_v)
     S, H, Dqk = q.shape
     Hp = padded_heads(H)
-    tun = dict(bwd_tunables(Hp), **({"dkv_atomics": False} if _profile_no_dkv else {}))
+    tun = bwd_tunables(Hp)
     idx = _prep_indices(indices, tun["block_I"])
     delta = (out.float() * dout.float()).sum(-1)  # [S, H]
-    qp = pad_dim(q.to(torch.bfloat16), 1, Hp)
+    qp = pad_dim(q, 1, Hp)
     dop = pad_dim(dout.to(torch.bfloat16), 1, Hp)
     lsep = pad_dim(lse.float(), 1, Hp)
     deltap = pad_dim(delta, 1, Hp)
@@ -334,10 +342,10 @@ def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     dq = torch.empty(S, Hp, Dqk, dtype=torch.bfloat16, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     if S:
-        kernel(qp, kv.to(torch.bfloat16).contiguous(), dop, idx, lsep, deltap, dq, dkv)
+        kernel(qp, kv.contiguous(), dop, idx, lsep, deltap, dq, dkv)
     if Hp != H:
         dq = dq[:, :H].contiguous()
-    return dq.to(q.dtype), dkv.to(kv.dtype)
+    return dq, dkv.to(kv.dtype)
 
 
 def sparse_mla_flops(S: int, H: int, topk: int, dim_qk: int = 576, dim_v: int = 512) -> tuple[int, int]:
