@@ -38,10 +38,9 @@ def _layer_kinds(model: GLM52ForCausalLM) -> dict[str, list[str]]:
 
 
 def _control_extra() -> dict:
-    """Options that keep the control a control: PyTorch's min-cut alone, which replays the top-k in the
-    backward. ``use_registered=False`` (passed by the caller) is enough today; an option that makes sacpass
-    save discrete ops by default must be turned off here."""
-    return {}
+    """Options that keep the control a control: PyTorch's min-cut alone, which replays the top-k (and the
+    routers' top-k) in the backward: sacpass's default of saving discrete decisions is off."""
+    return {"save_discrete": False}
 
 
 def run(name: str, model: GLM52ForCausalLM, backend: sacpass.Backend, batches, lr: float) -> dict:

@@ -96,6 +96,7 @@ class Backend:
         key = self.config.key()
         self.uuid = None if key is None else f"sacpass-{_sources_digest()}-{key}"
         self._partitioner = None
+        self._selectors_checked = False
         from .graph_breaks import watch
         watch()
 
@@ -129,6 +130,8 @@ class Backend:
             compiled = self._compile(gm, example_inputs)
         for result in ctx.results:
             self._publish(result, key)
+        if self.policy.explicit and not self._selectors_checked:
+            compiled = self._check_selectors_at_backward(compiled)
         training = torch.is_grad_enabled() and any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
         if not ctx.results and training and _cache_hits() > hits:
@@ -144,6 +147,44 @@ class Backend:
         inner = aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop, partition_fn=self.partitioner,
                              keep_inference_input_mutations=True)
         return inner(gm, example_inputs)
+
+    # ------------------------------------------------------------------ selectors
+    def _check_selectors_at_backward(self, compiled):
+        """Check the explicit selectors once the model's forward is done: when the first backward through a
+        graph of this backend starts, every graph of the step has been compiled. The rule: an explicit
+        selector must match in at least one graph of the compile; a graph that does not hold the selected
+        module or op (a graph before a graph break, a loss graph) is no error by itself."""
+        from torch.utils._pytree import tree_leaves
+
+        def run(*args):
+            out = compiled(*args)
+            if not self._selectors_checked:
+                grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if grads:
+                    torch.autograd.graph.register_multi_grad_hook(grads, self._check_selectors, mode="any")
+            return out
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)
+        return run
+
+    def _check_selectors(self, *_grads) -> None:
+        if self._selectors_checked:
+            return
+        self._selectors_checked = True
+        missing = self.unmatched()
+        if not missing:
+            return
+        from .errors import UnmatchedSelectorError
+        from .graph_breaks import hint
+
+        regions = [r.graph for r in self.reports if r.unmatched]
+        msg = (f"sacpass: selector(s) {', '.join(missing)} matched no forward node in any graph of this compile "
+               f"({len(self.reports)} graph(s); {', '.join(regions) or 'none'} held a checkpointed region). Check "
+               f"the op name and module pattern against the graphs (module paths are relative to the module "
+               f"given to torch.compile; dump_dir= writes the graphs).{hint()}")
+        if self.strict:
+            raise UnmatchedSelectorError(msg + " Pass strict=False to only warn.")
+        warn(msg)
 
     # ------------------------------------------------------------------ sinks
     def _publish(self, result: PartitionResult, key: str | None) -> None:

@@ -76,18 +76,22 @@ def diff_dumps(a: dict[str, Report], b: dict[str, Report]) -> list[str]:
             body.append(f"  policy: {ra.policy} -> {rb.policy}")
         if body or ra.total_bytes != rb.total_bytes:
             delta = rb.total_bytes - ra.total_bytes
-            lines.append(f"{g}: saved bytes {ra.total_bytes} -> {rb.total_bytes} ({delta:+d})")
+            host = (f"; on the host {ra.host_bytes} -> {rb.host_bytes}" if ra.host_bytes or rb.host_bytes else "")
+            lines.append(f"{g}: saved bytes {ra.total_bytes} -> {rb.total_bytes} ({delta:+d}){host}")
             lines.extend(body)
     return lines
 
 
 def format_diff(a: dict[str, Report], b: dict[str, Report], name_a: str = "A", name_b: str = "B") -> str:
+    """A header, then per graph either its differences (led by one bytes line) or "no differences"."""
     lines = [f"A: {name_a}", f"B: {name_b}"]
-    for g in sorted(set(a) & set(b), key=lambda g: (len(g), g)):
-        lines.append(f"{g}: saved bytes {a[g].total_bytes} -> {b[g].total_bytes}")
     changes = diff_dumps(a, b)
-    lines.append("differences:" if changes else "no differences")
+    changed = {ln.split(":", 1)[0] for ln in changes if not ln.startswith(" ")}
+    for g in sorted(set(a) & set(b) - changed, key=lambda g: (len(g), g)):
+        lines.append(f"{g}: no differences ({a[g].total_bytes} saved bytes)")
     lines.extend(changes)
+    if not changes:
+        lines.append("no differences")
     return "\n".join(lines)
 
 

@@ -83,10 +83,11 @@ def _install_module_hooks() -> None:
         return
 
     def pre(module, args):
-        _STACK.modules.append(module)
+        if not torch.compiler.is_compiling():  # under compile Dynamo records module paths itself
+            _STACK.modules.append(module)
 
     def post(module, args, output):
-        if _STACK.modules and _STACK.modules[-1] is module:
+        if not torch.compiler.is_compiling() and _STACK.modules and _STACK.modules[-1] is module:
             _STACK.modules.pop()
 
     _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(pre))

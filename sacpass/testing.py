@@ -215,12 +215,18 @@ class OpCounter:
         counter = self
 
         class _Mode(TorchDispatchMode):
+            supports_higher_order_operators = True  # auto_functionalized / with_effects wrap the op counted
+
             @classmethod
             def ignore_compile_internals(cls):
                 return True
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter._hit(func)
+                if isinstance(func, torch._ops.OpOverload):
+                    counter._hit(func)
+                else:
+                    for op in [a for a in args if isinstance(a, torch._ops.OpOverload)]:
+                        counter._hit(op)
                 return func(*args, **(kwargs or {}))
 
         self._mode = _Mode()

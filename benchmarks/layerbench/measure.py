@@ -99,6 +99,8 @@ def measure(v: Variant, inputs, steps: int, warmup: int, clock: Clock, device, t
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base_alloc = torch.cuda.memory_allocated()
+    import sacpass.offload as offload_runtime
+    offload_runtime.reset_stats()
     times, losses = [], []
     for _ in range(steps):
         a = clock.start()
@@ -116,6 +118,19 @@ def measure(v: Variant, inputs, steps: int, warmup: int, clock: Clock, device, t
         "new_graph_breaks": after["graph_breaks"] - before["graph_breaks"],
         "recompile_reasons": after["guard_failures"][len(before["guard_failures"]):],   # guards that failed
     }
+    st = offload_runtime.stats()
+    if st.offloaded_bytes:
+        row["offload"] = {"gib_per_step_each_way": st.offloaded_bytes / steps / 2 ** 30,
+                          "prefetched_share": st.prefetched_bytes / max(1, st.reloaded_bytes),
+                          "reloads_not_prefetched_per_step": st.waited_reloads / steps,
+                          "peak_host_gib": st.peak_host_bytes / 2 ** 30}
+    reports = getattr(v.backend, "reports", None)
+    if reports:
+        row["saved_activation_gib"] = sum(r.activation_bytes for r in reports) / 2 ** 30
+        row["saved_host_gib"] = sum(r.host_bytes for r in reports) / 2 ** 30
+        row["discrete_bytes"] = sum(s.bytes for r in reports for s in r.saved if s.reason == "discrete")
+        row["planned"] = {a: sum(1 for r in reports for d in r.decisions if d.action == a)
+                          for a in ("save", "offload", "recompute")}
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30

@@ -192,3 +192,71 @@ def _island_indexer_forward(self, x, q_latent, cos, sin, starts, ends):
 @torch._dynamo.disable
 def _island_topk(q, k, w, starts, ends, topk, scale):
     return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, topk, scale)
+
+
+# ------------------------------------------------------------------------ the memory-speed frontier
+HOST_GIB = float(__import__("os").environ.get("SACPASS_BENCH_HOST_GIB", "16"))  # planner host budget per layer
+
+
+def _sacpass_variant(layer, backend, label: str, **options) -> Built:
+    be = sacpass.backend(inner="inductor" if backend == "inductor" else "aot_eager", **options)
+    return _model_checkpoint(layer, be, f"{label}({be.inner})", recompute=True)
+
+
+@variant("sacpass_no_discrete", color="tab:olive", ls="--")
+def _sacpass_no_discrete(layer, backend):
+    """sacpass without its discrete-decision default (save_discrete=False): the routers' top-k recomputed"""
+    return _sacpass_variant(layer, backend, "sacpass-no-discrete", save_discrete=False)
+
+
+@variant("offload_ids", color="tab:cyan", marker="^")
+def _offload_ids(layer, backend):
+    """sacpass with the DSA top-k IDs offloaded to pinned host memory instead of kept on the GPU"""
+    return _sacpass_variant(layer, backend, "sacpass-offload-ids", offload=["glm52::dsa_topk_indices"])
+
+
+@variant("offload_mla", color="tab:pink", marker="v")
+def _offload_mla(layer, backend):
+    """sacpass with sparse MLA's outputs offloaded (its forward is the largest single recompute)"""
+    return _sacpass_variant(layer, backend, "sacpass-offload-mla", offload=["glm52::sparse_mla"])
+
+
+@variant("budget_full", color="tab:brown", ls="-.")
+def _budget_full(layer, backend):
+    """sacpass with memory_budget=1.0: checkpointed regions keep all the no-AC saves on the device"""
+    return _sacpass_variant(layer, backend, "sacpass-budget-1.0", memory_budget=1.0)
+
+
+@variant("budget_half", color="tab:brown", ls=":")
+def _budget_half(layer, backend):
+    """sacpass with memory_budget=0.5 (sacpass's solver: densest recompute time per byte first)"""
+    return _sacpass_variant(layer, backend, "sacpass-budget-0.5", memory_budget=0.5)
+
+
+@variant("plan", color="black", marker="*")
+def _plan(layer, backend):
+    """sacpass's planner: save (GPU budget 0) / offload (SACPASS_BENCH_HOST_GIB per layer) / recompute"""
+    plan = sacpass.Plan(host_bytes=int(HOST_GIB * 2 ** 30))
+    return _sacpass_variant(layer, backend, "sacpass-plan", plan=plan)
+
+
+@variant("plan_gpu", color="gray", marker="*", ls=":")
+def _plan_gpu(layer, backend):
+    """the planner's offloaded set kept on the GPU instead (Plan(gpu_bytes=host budget)): the reference for
+    how much of the plan's copy time is hidden"""
+    plan = sacpass.Plan(gpu_bytes=int(HOST_GIB * 2 ** 30), host_bytes=0)
+    return _sacpass_variant(layer, backend, "sacpass-plan-on-gpu", plan=plan)
+
+
+@variant("pytorch_budget", color="tab:orange", ls="--")
+def _pytorch_budget(layer, backend):
+    """PyTorch's own budget alone: no checkpoint, torch._functorch.config.activation_memory_budget=0.5"""
+    from torch._functorch import config as functorch_config
+
+    apply_ac(layer, False)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+
+    def fn(*args):
+        with functorch_config.patch(activation_memory_budget=0.5):
+            return compiled(*args)
+    return Built(fn, backend, f"{backend}+budget0.5")

@@ -62,13 +62,12 @@ class PartitionResult:
 
 @dataclass
 class CompileContext:
-    """One compile: the config, where ids come from, the checkpoint bodies routed before AOTAutograd, a hint
-    for error messages (regions Dynamo ran eagerly), and the partitions done (filled by the partitioner)."""
+    """One compile: the config, where ids come from, the checkpoint bodies routed before AOTAutograd, and the
+    partitions done (filled by the partitioner)."""
 
     config: PartitionConfig
     ids: GraphIds
     routed_checkpoints: tuple[str, ...] = ()
-    hint: str = ""
     results: list[PartitionResult] = field(default_factory=list)
 
 

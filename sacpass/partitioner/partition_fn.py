@@ -67,7 +67,7 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
               **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Partition an AOTAutograd joint graph with the context's policy honoured, or raise."""
     cfg = ctx.config
-    tags = tag_policy_pass(gm, cfg.policy, strict=cfg.strict, hint=ctx.hint)
+    tags = tag_policy_pass(gm, cfg.policy)
     keep_decisions_pass(gm, tags)
     decisions = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan)
     if cfg.memory_budget is None and cfg.plan is None:

@@ -100,6 +100,7 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _candidates(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> dict[torch.fx.Node, _Candidate]:
+    outputs = {n for n in graph.find_nodes(op="output")[0].all_input_nodes if n not in backward}
     needed: dict[torch.fx.Node, set[torch.fx.Node]] = defaultdict(set)  # producer -> outputs read by bw
     for node in graph.nodes:
         if node not in backward:
@@ -110,7 +111,8 @@ def _candidates(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> dict[tor
             value = _base(inp)
             producer = value.args[0] if is_getitem(value) else value
             if isinstance(producer, torch.fx.Node) and producer.op == "call_function" and _in_region(producer) \
-                    and (not is_getitem(value) or _in_region(value)):
+                    and (not is_getitem(value) or _in_region(value)) and value not in outputs:
+                # (a forward output stays on the device for the caller anyway: nothing to plan)
                 needed[producer].add(value)
     out = {}
     for producer, values in needed.items():
@@ -195,6 +197,6 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             else:
                 why = "device budget spent; the copy window is full"
         decisions.append(Decision(name=c.node.name, op=op_name(c.node), module=module_path(c.node), bytes=c.nbytes,
-                                  action=action, recompute_ms=round(1e3 * c.seconds, 4),
-                                  copy_ms=round(copy_ms, 4), why=why))
+                                  action=action, recompute_ms=1e3 * c.seconds,
+                                  copy_ms=copy_ms, why=why))
     return tuple(decisions)

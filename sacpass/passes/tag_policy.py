@@ -13,7 +13,8 @@ Ensures, for every forward node (never the backward part of the joint: those are
 - selected to recompute: ``MUST_RECOMPUTE``.
 
 Nothing else changes: other tags, ``ac_graph_id`` and the graph's structure stay as they were. Explicit
-selectors that match nothing where they could are reported (strict: raised); see :func:`checkable`.
+selectors that match nothing in a graph that could hold them are listed (``unmatched``); whether that is an
+error is decided once per compile, by the backend, when the first backward runs (see sacpass.backend).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..errors import PolicyConflictError, SelectorError, UnmatchedSelectorError, warn
+from ..errors import PolicyConflictError, SelectorError
 from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, module_stack, node_nbytes,
                      node_op, op_name, source_of, unpackers)
 from ..policies import Policy
@@ -166,10 +167,8 @@ def _action(node: torch.fx.Node, policy: Policy) -> tuple[str, object] | None:
     return ("save", default) if default is not None else None
 
 
-def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy, *, strict: bool = True,
-                    hint: str = "") -> TagResult:
-    """Tag the nodes ``policy`` selects. Returns what was tagged; raises on refused or conflicting input.
-    ``hint`` is appended to the unmatched-selector message (e.g. regions Dynamo ran eagerly)."""
+def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy) -> TagResult:
+    """Tag the nodes ``policy`` selects. Returns what was tagged; raises on refused or conflicting input."""
     graph = gm.graph
     backward = backward_part(graph)
     has_region = has_checkpoint_region(graph)  # before this pass adds tags of its own
@@ -208,13 +207,5 @@ def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy, *, strict: bool = 
     explicit = [s for s in policy.explicit if s not in matched]
     result.unmatched = [str(s) for s in explicit if checkable(s, graph, has_region)]
     result.absent = [str(s) for s in explicit if not checkable(s, graph, has_region)]
-    if result.unmatched:
-        msg = (f"sacpass: selector(s) {', '.join(result.unmatched)} matched no forward node in a graph that holds "
-               f"a checkpointed region or the selected module. Check the op name and module pattern against the "
-               f"graph (module paths are relative to the module given to torch.compile; dump_dir= writes the "
-               f"graphs).{hint}")
-        if strict:
-            raise UnmatchedSelectorError(msg + " Pass strict=False to only warn.")
-        warn(msg)
     return result
 

@@ -1,0 +1,155 @@
+"""The memory-speed frontier on a stack of GLM-5.2-width layers: several variants, one process (issue 15).
+
+    python3 benchmarks/bench_model.py --layers 16 --seq 65536 --variants control,sacpass,plan \
+        --host-gib 4 --out benchmarks/results/bench_model_h200.json
+
+The model is ``GLM52ForCausalLM(GLM52Config.bench(num_layers=N, mtp_layers=0))`` in bf16 with FP8 linears and
+the TileLang kernels: full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder
+layer is compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from
+the same seed, one compiling step, ``--warmup`` more, then the median of ``--steps`` timed fwd+bwd steps (CUDA
+events), the peak allocated memory of the timed steps, the host bytes offloaded and how much of the reload
+was prefetched, the backward top-k runs, and the loss.
+
+Variants: ``control`` (full recompute: sacpass with no policy at all, i.e. PyTorch's min-cut over checkpoints
+that recompute every op, the top-k included), ``sacpass`` (the default backend), ``offload_ids`` (the top-k
+IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``budget`` (``memory_budget``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sacpass  # noqa: E402
+import sacpass.offload as offload_runtime  # noqa: E402
+from glm52_model import GLM52Config, GLM52ForCausalLM  # noqa: E402
+from glm52_model.compile import apply_compile  # noqa: E402
+from sacpass.testing import OpCounter  # noqa: E402
+
+
+def backends(args) -> dict:
+    inner = "inductor" if args.device == "cuda" else "aot_eager"
+    host = int(args.host_gib * 2 ** 30)
+    return {
+        "control": lambda: sacpass.backend(inner=inner, use_registered=False, save_discrete=False),
+        "sacpass": lambda: sacpass.backend(inner=inner),
+        "offload_ids": lambda: sacpass.backend(inner=inner, offload=["glm52::dsa_topk_indices"]),
+        "plan": lambda: sacpass.backend(inner=inner, plan=sacpass.Plan(host_bytes=host)),
+        "budget": lambda: sacpass.backend(inner=inner, memory_budget=args.budget),
+    }
+
+
+def build(args, device, dtype) -> GLM52ForCausalLM:
+    torch.manual_seed(0)
+    cfg = GLM52Config.preset(args.preset, num_layers=args.layers, mtp_layers=0, fp8=not args.no_fp8,
+                             first_k_dense=0)
+    with torch.device(device):
+        model = GLM52ForCausalLM(cfg)
+    return model.to(dtype)
+
+
+def step(model, ids) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids)
+    loss.backward()
+    return loss.detach()
+
+
+def measure(args, name, make_backend, device, dtype) -> dict:
+    torch._dynamo.reset()
+    model = build(args, device, dtype)
+    be = make_backend()
+    apply_compile(model, backend=be)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, args.seq), device=device,
+                        generator=torch.Generator(device=device).manual_seed(1))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    with OpCounter("glm52::dsa_topk_indices", "aten::topk") as calls:
+        first = step(model, ids)
+    sync()
+    first_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step(model, ids)
+    sync()
+    if device.type == "cuda":
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    offload_runtime.reset_stats()
+    times, loss = [], first
+    for _ in range(args.steps):
+        a = time.perf_counter()
+        loss = step(model, ids)
+        sync()
+        times.append((time.perf_counter() - a) * 1e3)
+    st = offload_runtime.stats()
+    row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
+           "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
+           "graphs": len(be.reports), "saved_activation_gib_per_graph": [r.activation_bytes / 2 ** 30 for r in be.reports],
+           "saved_host_gib_per_graph": [r.host_bytes / 2 ** 30 for r in be.reports],
+           "planned": {a: sum(1 for r in be.reports for d in r.decisions if d.action == a)
+                       for a in ("save", "offload", "recompute")},
+           "offload": {"gib_per_step_each_way": st.offloaded_bytes / args.steps / 2 ** 30,
+                       "prefetched_share": st.prefetched_bytes / max(1, st.reloaded_bytes),
+                       "reloads_not_prefetched_per_step": st.waited_reloads / args.steps,
+                       "peak_host_gib": st.peak_host_bytes / 2 ** 30}}
+    if device.type == "cuda":
+        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
+    del model, be
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--seq", type=int, default=65536)
+    p.add_argument("--variants", default="control,sacpass,plan")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--host-gib", type=float, default=4.0, help="planner host budget per layer (GiB)")
+    p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget variant")
+    p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--out", default="benchmarks/results/bench_model.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = backends(args)
+    result = {"command": " ".join(sys.argv), "torch": torch.__version__, "args": vars(args),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": {}}
+    for name in args.variants.split(","):
+        try:
+            result["variants"][name] = measure(args, name, table[name], device, dtype)
+        except torch.cuda.OutOfMemoryError as e:
+            result["variants"][name] = {"status": "oom", "error": str(e)[:300]}
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(name, json.dumps({k: v for k, v in result["variants"][name].items() if k != "step_ms"}), flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    ctrl = result["variants"].get("control", {}).get("step_ms_median")
+    for name, row in result["variants"].items():
+        if ctrl and "step_ms_median" in row:
+            row["vs_control"] = row["step_ms_median"] / ctrl
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

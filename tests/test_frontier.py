@@ -1,0 +1,245 @@
+"""The memory-speed frontier on the CPU: the offload action, the memory budget and the planner (issue 15).
+
+On the CPU the offload copies host to host (there is no device to leave): graphs, numerics and reports are
+what they are on a GPU. The GPU behaviour (pinned memory, side streams, prefetch) is tests/gpu/test_offload_cuda.py.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import sacpass
+import sacpass.offload as offload_runtime
+from sacpass.testing import OpCounter, assert_graphs_match, no_compile_caches
+from toy import ToyLayer, TwoRegions, assert_close_lists, grads_of, unwrap
+
+TOPK = "sacpass_toy::topk_ids"
+
+
+def _run(be, model, x):
+    model = torch.compile(copy.deepcopy(model), backend=be, fullgraph=True)
+    x = x.detach().clone().requires_grad_(True)
+    with no_compile_caches(), OpCounter("aten::mm", "aten::addmm", TOPK, "sacpass::offload", "sacpass::reload") as calls:
+        out = model(x)
+        out.square().sum().backward()
+    return out.detach(), grads_of(model, x), calls
+
+
+def _reference(model, x):
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if isinstance(m, ToyLayer):
+            m.checkpointed = False
+    x = x.detach().clone().requires_grad_(True)
+    out = ref(x)
+    out.square().sum().backward()
+    return out.detach(), grads_of(ref, x)
+
+
+@pytest.fixture
+def toy():
+    torch.manual_seed(0)
+    return ToyLayer(), torch.randn(24, 32)
+
+
+# -------------------------------------------------------------------------------------------- offload
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_offload_matches_eager_and_is_never_recomputed(toy, inner):
+    model, x = toy
+    out_e, grads_e = _reference(model, x)
+    be = sacpass.backend(inner=inner, offload=["aten::addmm"])
+    out_c, grads_c, calls = _run(be, model, x)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    assert_close_lists(grads_c, grads_e, rtol=1e-4, atol=1e-5)
+    (rep,) = be.reports
+    host = [s for s in rep.saved if s.reason == "offload"]
+    assert host and all(s.op == "aten::addmm.default" for s in host), rep.format()
+    assert rep.host_bytes == sum(s.bytes for s in host) and rep.host_bytes > 0
+    assert rep.activation_bytes + rep.input_bytes + rep.host_bytes == rep.total_bytes
+    assert "aten::addmm.default" not in rep.recomputed  # never recomputed ...
+    assert calls.count("forward", "sacpass::offload") == len(host)  # ... moved out in the forward
+    assert calls.count("backward", "sacpass::reload") == len(host)  # ... and back for the backward
+    fw, bw = be.results[0].forward, be.results[0].backward
+    saved_out = list(fw.graph.find_nodes(op="output")[0].args[0])
+    assert all(any(isinstance(o, torch.fx.Node) and o.name == f"{s.name}_offload" for o in saved_out)
+               for s in host)  # the forward saves the host copy, not the value
+    assert {n.name for n in bw.graph.nodes if n.op == "call_function"} >= {f"{s.name}_reload" for s in host}
+
+
+def test_offload_topk_ids_keeps_them_out_of_the_backward(toy):
+    model, x = toy
+    be = sacpass.backend(inner="aot_eager", offload=[TOPK])
+    _, _, calls = _run(be, model, x)
+    assert calls.count("backward", TOPK) == 0
+    (rep,) = be.reports
+    assert [(s.op, s.dtype, s.reason) for s in rep.saved if s.reason != "graph input"] == [
+        (TOPK + ".default", "int32", "offload")]
+
+
+def test_offload_stats_count_bytes_both_ways(toy):
+    model, x = toy
+    offload_runtime.reset_stats()
+    _run(sacpass.backend(inner="aot_eager", offload=["aten::addmm"]), model, x)
+    st = offload_runtime.stats()
+    assert st.offloaded_bytes > 0 and st.reloaded_bytes == st.offloaded_bytes and st.bundles == 1
+
+
+def test_same_op_in_save_and_offload_is_refused():
+    with pytest.raises(sacpass.PolicyConflictError, match="Remove it from one of save= / offload="):
+        sacpass.backend(save=[TOPK], offload=[TOPK])
+    with pytest.raises(sacpass.PolicyConflictError, match="offload= / recompute="):
+        sacpass.backend(offload=["aten::mm"], recompute=["aten::mm"])
+
+
+def test_offload_selector_must_match(toy):
+    model, x = toy
+    be = sacpass.backend(inner="aot_eager", offload=["aten::cumsum"])
+    with pytest.raises(Exception) as info:
+        _run(be, model, x)
+    assert isinstance(unwrap(info), sacpass.UnmatchedSelectorError)
+
+
+def test_offload_report_round_trips_and_the_page_draws_it(toy, tmp_path):
+    from sacpass.cli import diff_dumps
+    from sacpass.dump import read_report, read_view
+
+    model, x = toy
+    saved_dir, off_dir = tmp_path / "save", tmp_path / "offload"
+    _run(sacpass.backend(inner="aot_eager", save=["aten::addmm"], dump_dir=saved_dir), model, x)
+    torch._dynamo.reset()
+    _run(sacpass.backend(inner="aot_eager", offload=["aten::addmm"], dump_dir=off_dir), model, x)
+    rep = read_report(off_dir, "g0")
+    assert rep.host_bytes > 0 and json.loads(rep.to_json())["host_bytes"] == rep.host_bytes
+    view = read_view(off_dir, "g0")
+    assert any(n["offload"] for n in view["forward"]) and any(n["reason"] == "offload" for n in view["forward"])
+    page = (off_dir / "index.html").read_text()
+    assert "badge offload" in page and "kept in host memory" in page
+    lines = diff_dumps({"g0": read_report(saved_dir, "g0")}, {"g0": rep})
+    assert any("no longer saved" in ln and "must-save" in ln for ln in lines)
+    assert any("now saved for backward" in ln and "; offload)" in ln for ln in lines)
+
+
+def test_offload_nothing_without_a_device_to_leave_is_documented():
+    from sacpass import offload
+    assert "On a CPU tensor both ops copy (host to host)" in offload.__doc__
+
+
+# ------------------------------------------------------------------------------------------ the budget
+@pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
+def test_memory_budget_numerics_and_monotonic_bytes(budget):
+    torch.manual_seed(0)
+    model, x = TwoRegions(), torch.randn(24, 32)
+    out_e, grads_e = _reference(model, x)
+    be = sacpass.backend(inner="aot_eager", memory_budget=budget)
+    out_c, grads_c, calls = _run(be, model, x)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    assert_close_lists(grads_c, grads_e, rtol=1e-4, atol=1e-5)
+    assert calls.count("backward", TOPK) == 0  # the must-saves stay fixed under any budget
+    (rep,) = be.reports
+    kept = sum(s.bytes for s in rep.saved if s.reason == "budget")
+    total = sum(d.bytes for d in rep.decisions)
+    assert kept <= budget * total + 1 and rep.decisions
+    assert all(d.action in ("save", "recompute") for d in rep.decisions)
+    assert sum(d.bytes for d in rep.decisions if d.action == "save") <= budget * total + 1
+    if budget == 0.0:
+        assert kept == 0 and all(d.action == "recompute" for d in rep.decisions)
+    if budget == 1.0:
+        assert all(d.action == "save" for d in rep.decisions)
+
+
+def test_memory_budget_zero_recomputes_everything_but_the_must_saves():
+    torch.manual_seed(0)
+    model, x = ToyLayer(), torch.randn(24, 32)
+    plain = sacpass.backend(inner="aot_eager")
+    _run(plain, model, x)
+    torch._dynamo.reset()
+    zero = sacpass.backend(inner="aot_eager", memory_budget=0)
+    _run(zero, model, x)
+    # inside a checkpoint that is what sacpass already does: the same saved set
+    key = lambda r: sorted((s.op, s.dtype, s.shape, s.reason) for s in r.saved)  # noqa: E731
+    assert key(zero.reports[0]) == key(plain.reports[0])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "half", True])
+def test_memory_budget_outside_0_1_is_refused(bad):
+    with pytest.raises(sacpass.BackendOptionError, match=r"memory_budget=.* must be a number in \[0, 1\]"):
+        sacpass.backend(memory_budget=bad)
+
+
+def test_pytorch_budget_zero_names_sacpass_budget_as_the_fix(toy):
+    from torch._functorch import config as fc
+
+    model, x = toy
+    with fc.patch(activation_memory_budget=0.0):
+        with pytest.raises(Exception) as info:
+            _run(sacpass.backend(inner="aot_eager", save=[TOPK]), model, x)
+    err = unwrap(info)
+    assert "sacpass.backend(memory_budget=0)" in str(err)
+
+
+# ----------------------------------------------------------------------------------------- the planner
+def test_planner_offloads_under_the_host_budget_and_explains_each_choice():
+    torch.manual_seed(0)
+    model, x = TwoRegions(), torch.randn(24, 32)
+    out_e, grads_e = _reference(model, x)
+    plan = sacpass.Plan(gpu_bytes=4096, host_bytes=8192, min_offload_bytes=1024)
+    be = sacpass.backend(inner="aot_eager", plan=plan)
+    out_c, grads_c, calls = _run(be, model, x)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    assert_close_lists(grads_c, grads_e, rtol=1e-4, atol=1e-5)
+    (rep,) = be.reports
+    acts = {d.action for d in rep.decisions}
+    assert acts == {"save", "offload", "recompute"}, rep.format(verbose=True)
+    assert sum(d.bytes for d in rep.decisions if d.action == "save") <= 4096
+    assert sum(d.bytes for d in rep.decisions if d.action == "offload") <= 8192
+    assert all(d.action != "offload" or d.bytes >= 1024 for d in rep.decisions)
+    assert all(d.recompute_ms > 0 and d.copy_ms > 0 and d.why for d in rep.decisions)
+    assert rep.host_bytes == sum(d.bytes for d in rep.decisions if d.action == "offload")
+    text = rep.format(verbose=True)
+    assert "planned:" in text and "recompute " in text and "copy " in text
+    # densest first: nothing recomputed costs more time per byte than something kept or offloaded
+    kept = [d for d in rep.decisions if d.action != "recompute"]
+    rec = [d for d in rep.decisions if d.action == "recompute" and d.bytes <= 4096]
+    if kept and rec:
+        assert max(d.recompute_ms / d.bytes for d in rec) <= max(d.recompute_ms / d.bytes for d in kept)
+
+
+def test_plan_auto_and_bad_plans():
+    assert sacpass.backend(plan="auto").config.plan == sacpass.Plan()
+    with pytest.raises(sacpass.BackendOptionError, match="plan='auto'"):
+        sacpass.backend(plan="fast")
+    with pytest.raises(sacpass.BackendOptionError, match="gpu_bytes must be an int >= 0"):
+        sacpass.Plan(gpu_bytes=-1)
+    with pytest.raises(sacpass.BackendOptionError, match="hide must be in"):
+        sacpass.Plan(hide=0)
+    assert sacpass.Plan(host_bytes=None, layers=4).host_budget() < sacpass.Plan(host_bytes=None).host_budget()
+
+
+def test_budget_without_a_checkpoint_region_warns(toy):
+    model, x = toy
+    model.checkpointed = False
+    with pytest.warns(sacpass.SacpassWarning, match="no checkpointed region"):
+        _run(sacpass.backend(inner="aot_eager", memory_budget=0.5), model, x)
+
+
+def test_policy_enters_the_cache_key():
+    a, b, c = (sacpass.backend(memory_budget=0.5), sacpass.backend(memory_budget=0.25),
+               sacpass.backend(plan=sacpass.Plan(host_bytes=1 << 20)))
+    d = sacpass.backend(offload=["aten::mm"])
+    assert len({a.uuid, b.uuid, c.uuid, d.uuid, sacpass.backend().uuid}) == 5
+
+
+# ------------------------------------------------------------------------------------------ goldens
+@pytest.mark.golden
+@pytest.mark.parametrize("case", ["offload", "budget", "plan"])
+def test_frontier_goldens(case):
+    torch.manual_seed(0)
+    model, x = ToyLayer(), torch.randn(24, 32)
+    kw = {"offload": {"offload": ["aten::addmm"]}, "budget": {"memory_budget": 0.5},
+          "plan": {"plan": sacpass.Plan(gpu_bytes=4096, host_bytes=8192, min_offload_bytes=1024)}}[case]
+    be = sacpass.backend(inner="aot_eager", **kw)
+    _run(be, model, x)
+    assert_graphs_match(f"toy_{case}", be)
