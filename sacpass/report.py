@@ -61,7 +61,7 @@ class Decision:
     op: str
     module: str
     bytes: int
-    action: str  # "save" | "offload" | "recompute"
+    action: str  # "save" | "offload" | "recompute" | "unneeded" (planned, but the backward needs it no more)
     recompute_ms: float  # estimated time to recompute it (and what only it needs) in the backward
     copy_ms: float  # estimated time to move it to the host and back, each way
     why: str  # one line: the rule that decided

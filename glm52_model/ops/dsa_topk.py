@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from sacpass import register_must_save
 
@@ -87,6 +88,13 @@ def _no_grad_backward(ctx, grad):
 
 
 dsa_topk_indices.register_autograd(_no_grad_backward)
+
+
+@register_flop_formula(torch.ops.glm52.dsa_topk_indices)
+def _dsa_topk_flops(q_shape, k_shape, weights_shape, starts_shape, ends_shape, topk, scale, *args, **kwargs) -> int:
+    """The logits of every head against every key (half of them masked by causality): S * Sk * H * D."""
+    S, H, D = q_shape
+    return S * k_shape[0] * H * D
 
 register_must_save(torch.ops.glm52.dsa_topk_indices.default)
 

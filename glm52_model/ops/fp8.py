@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["FP8_DTYPE", "BLOCK", "quantize_1x128", "quantize_1x128_t", "quantize_128x128", "dequantize",
            "fp8_quantize", "fp8_blockwise_mm", "fp8_linear", "ref_fp8_linear"]
@@ -157,6 +158,11 @@ def fp8_blockwise_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out
 def _(a, a_scale, b, b_scale, out_dtype):
     _check(a, a_scale, b, b_scale)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@register_flop_formula(torch.ops.glm52.fp8_blockwise_mm)
+def _fp8_mm_flops(a_shape, a_scale_shape, b_shape, b_scale_shape, out_dtype, *args, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[0]
 
 
 @torch.library.register_kernel("glm52::fp8_blockwise_mm", "cuda")

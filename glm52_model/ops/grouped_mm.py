@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["grouped_mm", "grouped_mm_bwd", "ref_grouped_mm"]
 
@@ -94,6 +95,16 @@ def _backward(ctx, dy):
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.glm52.grouped_mm)
+def _grouped_mm_flops(x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * w_shape[2]
+
+
+@register_flop_formula(torch.ops.glm52.grouped_mm_bwd)
+def _grouped_mm_bwd_flops(dy_shape, x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
+    return 4 * x_shape[0] * x_shape[1] * w_shape[2]
 
 
 def ref_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:

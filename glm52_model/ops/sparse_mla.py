@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["sparse_mla", "sparse_mla_bwd", "ref_sparse_mla"]
 
@@ -136,6 +137,21 @@ def _backward(ctx, dout, dlse):
 
 
 sparse_mla.register_autograd(_backward, setup_context=_setup_context)
+
+
+# FLOPs (torch.utils.flop_counter; sacpass's planner prices a recompute with them): q.k and p.v per head
+# and selected key, and for the backward the score recompute, dq, dkv and dp.
+@register_flop_formula(torch.ops.glm52.sparse_mla)
+def _sparse_mla_flops(q_shape, kv_shape, indices_shape, sm_scale, d_v, *args, **kwargs) -> int:
+    S, H, D = q_shape
+    return 2 * S * H * indices_shape[1] * (D + d_v)
+
+
+@register_flop_formula(torch.ops.glm52.sparse_mla_bwd)
+def _sparse_mla_bwd_flops(q_shape, kv_shape, out_shape, dout_shape, indices_shape, lse_shape, sm_scale, d_v,
+                          *args, **kwargs) -> int:
+    S, H, D = q_shape
+    return 2 * S * H * indices_shape[1] * (3 * D + 2 * d_v)
 
 
 # ------------------------------------------------------------------------------------------ reference

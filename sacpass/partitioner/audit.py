@@ -69,7 +69,7 @@ def _joint_node(joint: torch.fx.GraphModule, name: str) -> torch.fx.Node | None:
 
 
 def _reasons(tags: TagResult, facts: dict[str, NodeFacts], final_tags: dict[str, str | None],
-             offloaded: dict[str, str]):
+             offloaded: dict[str, str], chosen_by: str = MIN_CUT):
     """A function: saved node name -> (reason, selector)."""
     tagged = {r.name: (r.reason, r.selector, r.op) for r in tags.records
               if r.tag in ("MUST_SAVE", "MUST_CPU_OFFLOAD")}
@@ -93,7 +93,7 @@ def _reasons(tags: TagResult, facts: dict[str, NodeFacts], final_tags: dict[str,
             cur, hops = facts.get(cur.parent), hops + 1
         if final_tags.get(name) == "MUST_SAVE":
             return PYTORCH_MUST_SAVE, "", None
-        return MIN_CUT, "", None
+        return chosen_by, "", None
 
     return reason
 
@@ -101,9 +101,10 @@ def _reasons(tags: TagResult, facts: dict[str, NodeFacts], final_tags: dict[str,
 def describe_partition(graph_id: str, policy: str, facts: dict[str, NodeFacts], final_tags: dict[str, str | None],
                        fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, tags: TagResult,
                        offloaded: dict[str, str], audit: Audit, decisions: tuple[Decision, ...],
-                       routed: tuple[str, ...]) -> Report:
-    """The Report of one partition: one row per tensor the backward receives from the forward."""
-    reason_of = _reasons(tags, facts, final_tags, offloaded)
+                       routed: tuple[str, ...], chosen_by: str = MIN_CUT) -> Report:
+    """The Report of one partition: one row per tensor the backward receives from the forward. A value no
+    tag decided is ``chosen_by`` the min-cut, or by the memory budget when one ran."""
+    reason_of = _reasons(tags, facts, final_tags, offloaded, chosen_by)
     saved, symints = [], 0
     for node in bw.graph.nodes:
         if node.op != "placeholder" or node.name.startswith("tangents"):

@@ -18,7 +18,7 @@ from ..errors import MustSaveViolation, SacpassError, warn
 from ..nodes import snapshot, tag_name
 from ..passes.discrete import keep_decisions_pass
 from ..passes.offload import offload_marks, offload_pass
-from ..passes.plan import plan_pass
+from ..passes.plan import plan_pass, release_regions
 from ..passes.tag_policy import tag_policy_pass
 from ..selectors import DiscreteSelector
 from .audit import audit_partition, describe_partition
@@ -40,15 +40,17 @@ def joint_text(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _min_cut(gm, joint_inputs, budget_patch: bool, **kwargs):
+def _min_cut(gm, joint_inputs, budget: float | None, **kwargs):
+    """PyTorch's min-cut; with sacpass's budget or plan in charge, PyTorch's own knapsack runs at ``budget``
+    (the memory budget over released regions) or not at all (1.0: the plan's tags decide)."""
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     kwargs.setdefault("compiler", "inductor")
-    if budget_patch:  # sacpass's own budget decided the tags: PyTorch's knapsack must not decide again
-        with functorch_config.patch(activation_memory_budget=1.0):
-            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    if budget is None:
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    with functorch_config.patch(activation_memory_budget=budget):
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
 
 def _check_pytorch_budget(tags) -> None:
@@ -63,6 +65,22 @@ def _check_pytorch_budget(tags) -> None:
             "PyTorch's budget above 0.")
 
 
+def _settle(decisions, bw: torch.fx.GraphModule, facts) -> tuple:
+    """A planned save or offload the partition did not need (the backward reads a value derived from it, kept
+    for another reason) is reported as such, so decisions and saved bytes agree."""
+    import dataclasses
+
+    saved = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+
+    def kept(name: str) -> bool:  # the node, or one of its getitems / views, is a backward input
+        return any(s == name or (facts.get(s) is not None and facts[s].parent == name) for s in saved)
+
+    return tuple(d if d.action == "recompute" or kept(d.name) else
+                 dataclasses.replace(d, action="unneeded", why="the backward reads a value derived from it, "
+                                     "which the partition keeps for another reason")
+                 for d in decisions)
+
+
 def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: CompileContext,
               **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Partition an AOTAutograd joint graph with the context's policy honoured, or raise."""
@@ -70,17 +88,26 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     tags = tag_policy_pass(gm, cfg.policy)
     keep_decisions_pass(gm, tags)
     decisions = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan)
-    if cfg.memory_budget is None and cfg.plan is None:
+    budget = None
+    if cfg.plan is not None:
+        budget = 1.0
+    elif cfg.memory_budget is not None:
+        budget = 1.0 if cfg.memory_budget == 0 else cfg.memory_budget
+        if cfg.memory_budget > 0:
+            release_regions(gm.graph)
+    else:
         _check_pytorch_budget(tags)
     facts = snapshot(gm)
     text = joint_text(gm)
     marks = offload_marks(gm)
-    fw, bw = _min_cut(gm, joint_inputs, cfg.memory_budget is not None or cfg.plan is not None, **kwargs)
+    fw, bw = _min_cut(gm, joint_inputs, budget, **kwargs)
     offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0))
     final_tags = {n.name: tag_name(n) for n in gm.graph.nodes}  # the min-cut adds MUST_SAVE at region edges
+    decisions = _settle(decisions, bw, facts)
     audit = audit_partition(gm, facts, fw, bw, tags, offloaded)
     report = describe_partition(ctx.ids.next(), str(cfg.policy), facts, final_tags, fw, bw, tags, offloaded,
-                                audit, decisions, ctx.routed_checkpoints)
+                                audit, decisions, ctx.routed_checkpoints,
+                                chosen_by="budget" if cfg.memory_budget and cfg.plan is None else "min-cut")
     ctx.results.append(PartitionResult(report, text, fw, bw))
     if audit.violations:
         msg = ("sacpass: the partition does not honour the policy: " + "; ".join(audit.violations) + ". The "

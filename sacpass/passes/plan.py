@@ -7,12 +7,19 @@ backward node reads (directly or through a view), and that no policy selector ta
 ``MUST_SAVE`` (kept on the device: reason ``budget`` or ``plan``), tagged ``MUST_SAVE`` and marked for offload
 (reason ``offload``), or left to recompute. Must-save, offload and recompute selectors stay fixed.
 
-How: each candidate costs ``recompute_ms`` (its own op plus an equal share of the forward ops only candidates
-need, from the :class:`~sacpass.plan.CostModel`) and ``bytes``. Greedily by recompute time per byte, a
-candidate is kept on the device while the device budget lasts, else offloaded while the host budget and the
-copy window (``hide`` x the layer's estimated forward time, at the copy bandwidth) last and it is at least
-``min_offload_bytes``, else recomputed. With ``memory_budget=f`` the device budget is f times all candidates'
-bytes (0: recompute all; 1: keep all, as without activation checkpointing).
+Candidates are the *heavy* nodes (matrix ops, custom ops) the backward's reads lead back to through cheap
+ops: what no activation checkpointing saves too; the cheap ops between are recomputed from them.
+How: each candidate costs ``recompute_ms`` (its own op plus an equal share of the cheap region ops only
+candidates need, from the :class:`~sacpass.plan.CostModel`) and ``bytes``. Greedily by recompute time per
+byte, a candidate is kept on the device while the device budget lasts, else offloaded while the host budget
+and the copy window (``hide`` x the layer's estimated forward time, at the copy bandwidth) last and it is at
+least ``min_offload_bytes``, else recomputed. With ``memory_budget=f`` too, the device budget is f times all
+candidates' bytes.
+
+``memory_budget`` without a plan is PyTorch's own budget solver over the released regions
+(:func:`release_regions`): the must-saves and offloads stay fixed (PyTorch keeps MUST_SAVE out of its
+knapsack), ``1.0`` partitions as without activation checkpointing, ``0`` keeps the regions as they are
+(recompute everything but the must-saves).
 """
 from __future__ import annotations
 
@@ -26,10 +33,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..errors import warn
 from ..nodes import backward_part, is_getitem, is_view, module_path, node_op, op_name, size_hint, unpackers
 from ..plan import CostModel, Plan
-from ..report import BUDGET, PLAN, Decision
+from ..report import PLAN, Decision
 from .tag_policy import OFFLOAD, TagResult
 
-__all__ = ["plan_pass", "node_seconds"]
+__all__ = ["plan_pass", "release_regions", "node_seconds"]
 
 
 def _meta(val):
@@ -99,27 +106,44 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def _heavy(node: torch.fx.Node) -> bool:
+    """A node worth keeping: a matrix op (one with a FLOP formula) or a custom op. What no activation
+    checkpointing would save too; the cheap ops between such nodes are recomputed from them for free."""
+    op = node_op(node)
+    if op is None or is_view(node) or is_getitem(node):
+        return False
+    from torch.utils.flop_counter import flop_registry
+
+    return op.overloadpacket in flop_registry or op.namespace not in ("aten", "prims")
+
+
 def _candidates(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> dict[torch.fx.Node, _Candidate]:
+    """The heavy region nodes the backward's reads lead back to (through cheap ops), with the outputs of
+    each that those reads need. A forward output stays on the device for the caller anyway: not planned."""
     outputs = {n for n in graph.find_nodes(op="output")[0].all_input_nodes if n not in backward}
-    needed: dict[torch.fx.Node, set[torch.fx.Node]] = defaultdict(set)  # producer -> outputs read by bw
-    for node in graph.nodes:
-        if node not in backward:
+    needed: dict[torch.fx.Node, set[torch.fx.Node]] = defaultdict(set)  # heavy producer -> its outputs used
+    seen: set[torch.fx.Node] = set()
+    stack = [inp for node in graph.nodes if node in backward for inp in node.all_input_nodes
+             if inp not in backward and inp.op == "call_function"]
+    while stack:
+        value = stack.pop()
+        if value in seen or value in backward or value.op != "call_function" or value in outputs:
             continue
-        for inp in node.all_input_nodes:
-            if inp in backward or inp.op != "call_function":
-                continue
-            value = _base(inp)
-            producer = value.args[0] if is_getitem(value) else value
-            if isinstance(producer, torch.fx.Node) and producer.op == "call_function" and _in_region(producer) \
-                    and (not is_getitem(value) or _in_region(value)) and value not in outputs:
-                # (a forward output stays on the device for the caller anyway: nothing to plan)
-                needed[producer].add(value)
+        seen.add(value)
+        producer = value.args[0] if is_getitem(value) else value
+        if not isinstance(producer, torch.fx.Node) or not _in_region(producer) or \
+                (is_getitem(value) and not _in_region(value)):
+            continue
+        if _heavy(producer):
+            needed[producer].add(value)
+        else:
+            stack.extend(producer.all_input_nodes)
     out = {}
     for producer, values in needed.items():
         if any(v.meta.get("recompute") is not CheckpointPolicy.PREFER_RECOMPUTE for v in values):
             continue
-        outputs = sorted(values, key=lambda v: v.name)
-        out[producer] = _Candidate(producer, outputs, sum(_tensor_bytes(v.meta.get("val")) for v in outputs))
+        vals = sorted(values, key=lambda v: v.name)
+        out[producer] = _Candidate(producer, vals, sum(_tensor_bytes(v.meta.get("val")) for v in vals))
     return out
 
 
@@ -145,34 +169,44 @@ def _attribute_costs(graph: torch.fx.Graph, backward: set[torch.fx.Node], cands:
 
 def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool) -> None:
     for t in [cand.node] + [u for u in unpackers(cand.node)]:
-        tags.add(t, CheckpointPolicy.MUST_SAVE, reason, "plan" if reason != BUDGET else "memory_budget",
-                 offload=offload)
+        tags.add(t, CheckpointPolicy.MUST_SAVE, reason, "plan", offload=offload)
+
+
+def release_regions(graph: torch.fx.Graph) -> int:
+    """Untag the checkpointed regions' ``PREFER_RECOMPUTE`` nodes (what no policy tagged), so that PyTorch's
+    min-cut and its memory-budget solver treat them as they treat code outside any checkpoint. Returns how
+    many nodes it released."""
+    n = 0
+    for node in graph.nodes:
+        if node.meta.get("recompute") is CheckpointPolicy.PREFER_RECOMPUTE:
+            del node.meta["recompute"]
+            node.meta.pop("ac_graph_id", None)
+            n += 1
+    return n
 
 
 def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
               plan: Plan | None) -> tuple[Decision, ...]:
-    """Tag the candidates (see the module docstring); returns one Decision per candidate."""
-    if memory_budget is None and plan is None:
+    """Tag the candidates (see the module docstring); returns one Decision per candidate. A memory budget
+    without a plan is left to PyTorch's solver (see :func:`release_regions`); this pass then does nothing."""
+    if plan is None:
         return ()
     graph = gm.graph
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()
     cands = _candidates(graph, backward)
     if not any(_in_region(n) for n in graph.nodes):
-        warn("sacpass: memory_budget / plan choose what checkpointed regions keep; this graph has no checkpointed "
+        warn("sacpass: the planner chooses what checkpointed regions keep; this graph has no checkpointed "
              "region, so PyTorch's partitioner decides it alone. Wrap the layers in torch.utils.checkpoint inside "
              "the compiled function to plan them.")
         return ()
     _attribute_costs(graph, backward, cands, cost)
     total = sum(c.nbytes for c in cands.values())
-    if memory_budget is not None:
-        gpu_left = int(memory_budget * total)
-    else:
-        gpu_left = plan.gpu_bytes
-    host_left = plan.host_budget() if plan is not None else 0
+    gpu_left = int(memory_budget * total) if memory_budget is not None else plan.gpu_bytes
+    host_left = plan.host_budget()
     forward_s = sum(node_seconds(n, cost) for n in graph.nodes if n.op == "call_function" and n not in backward)
-    copy_left = (plan.hide * forward_s * cost.copy_bytes_per_s) if plan is not None else 0.0
-    keep_reason = PLAN if plan is not None else BUDGET
+    copy_left = plan.hide * forward_s * cost.copy_bytes_per_s
+    keep_reason = PLAN
     decisions = []
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
         copy_ms = 1e3 * cost.copy_seconds(c.nbytes)
@@ -180,17 +214,14 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             gpu_left -= c.nbytes
             action, why = "save", "fits the device budget"
             _tag(tags, c, keep_reason, offload=False)
-        elif plan is not None and c.nbytes >= plan.min_offload_bytes and c.nbytes <= host_left \
-                and c.nbytes <= copy_left:
+        elif c.nbytes >= plan.min_offload_bytes and c.nbytes <= host_left and c.nbytes <= copy_left:
             host_left -= c.nbytes
             copy_left -= c.nbytes
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             _tag(tags, c, OFFLOAD, offload=True)
         else:
             action = "recompute"
-            if plan is None:
-                why = "the device budget is spent"
-            elif c.nbytes < plan.min_offload_bytes:
+            if c.nbytes < plan.min_offload_bytes:
                 why = f"device budget spent; under min_offload_bytes ({plan.min_offload_bytes})"
             elif c.nbytes > host_left:
                 why = "device and host budgets spent"
