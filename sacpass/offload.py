@@ -84,7 +84,7 @@ def reset_stats() -> None:
 
 
 # ------------------------------------------------------------------------------------------ bookkeeping
-@dataclass
+@dataclass(eq=False)  # identity: bundles are found in a list by who they are, not what they hold
 class _Bundle:
     """The host tensors one forward execution offloaded, in order (weak references)."""
 
@@ -93,7 +93,7 @@ class _Bundle:
     issued: bool = False  # its host-to-device copies have been issued
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     bundle: _Bundle
     d2h: "torch.cuda.Event | None"  # completion of the device-to-host copy (None on CPU)
