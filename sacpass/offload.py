@@ -5,8 +5,8 @@ Two custom ops, inserted by :mod:`sacpass.passes.offload` into the partitioned g
 
 - ``sacpass::offload(Tensor x, int index) -> Tensor``: in the forward, right after ``x`` is produced. Copies
   ``x`` into a pinned host buffer on a side stream (the compute stream does not wait) and returns the host
-  tensor, which the forward saves instead of ``x``. ``x`` is referenced until its copy has finished, then
-  dropped: the device memory returns to the allocator without ``record_stream``. ``index`` is the op's
+  tensor, which the forward saves instead of ``x``. ``x.record_stream`` makes the allocator reuse its memory
+  only after the copy, so it is free as soon as the forward drops it and the copy is done. ``index`` is the op's
   position in its graph; index 0 opens a new *bundle* (one execution of one compiled forward).
 - ``sacpass::reload(Tensor host, Device device) -> Tensor``: in the backward, before the first use. The first
   reload of a bundle issues the host-to-device copies of the whole bundle on a second side stream, then
@@ -104,7 +104,6 @@ class _Entry:
 
 _ENTRIES: dict[int, _Entry] = {}  # host storage address -> entry; removed when the host tensor dies
 _BUNDLES: list[_Bundle] = []  # forward order; a bundle leaves when its backward begins
-_PENDING: list[tuple["torch.cuda.Event", Tensor]] = []  # device tensors kept alive until their copy finished
 _STREAMS: dict[tuple[str, int], "torch.cuda.Stream"] = {}
 
 
@@ -117,11 +116,6 @@ def _stream(kind: str, device: torch.device) -> "torch.cuda.Stream":
     if (kind, index) not in _STREAMS:
         _STREAMS[(kind, index)] = torch.cuda.Stream(device=torch.device("cuda", index))
     return _STREAMS[(kind, index)]
-
-
-def _reap() -> None:
-    """Drop the device tensors whose device-to-host copy has finished."""
-    _PENDING[:] = [(ev, t) for ev, t in _PENDING if not ev.query()]
 
 
 def _forget(key: int, nbytes: int) -> None:
@@ -208,8 +202,9 @@ def offload(x: Tensor, index: int) -> Tensor:
             host.copy_(x, non_blocking=True)
             d2h = torch.cuda.Event()
             d2h.record(stream)
-        _reap()
-        _PENDING.append((d2h, x))
+        # the allocator may hand x's memory out again only after the copy: freed as soon as the forward
+        # drops x and the copy is done, without a reference kept here until the next sacpass op runs
+        x.record_stream(stream)
     else:
         host.copy_(x)
     key = _key(host)
@@ -242,7 +237,6 @@ def reload(host: Tensor, device: torch.device) -> Tensor:
         _STATS.waited_reloads += 1
     torch.cuda.current_stream(device).wait_event(entry.h2d)
     out, entry.reload = entry.reload, None
-    _reap()
     return out
 
 

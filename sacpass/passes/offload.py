@@ -5,9 +5,10 @@ Requires: the forward and backward graphs of one partition; the joint graph's no
 ``meta["sacpass_offload"]`` marks the values to offload (set by the tag pass or the planner); the number of
 real forward outputs (``num_fwd_outputs``; the saved values follow them in the forward's output tuple).
 Ensures: for each saved tensor that is a marked value, or a view or cast of one, the forward computes
-``host = sacpass::offload(value, i)`` right after the value and saves ``host`` instead (real outputs keep the
-device tensor); the backward's placeholder becomes that host tensor, and ``sacpass::reload(host, device)``
-before its first use feeds every former user. The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's
+``host = sacpass::offload(value, i)`` as its last op, after every use of the value (so no compiler can reuse
+the value's memory while the copy reads it; the copy then overlaps the next layer's forward), and saves
+``host`` instead (real outputs keep the device tensor); the backward's placeholder becomes that host tensor,
+and ``sacpass::reload(host, device)`` before its first use feeds every former user. The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's
 vocabulary) for printing. Returns {saved name: selector} of what it offloaded.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
                     and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
                    key=lambda pn: fw_order[pn[1]])
     for pos, node in saved:
-        with forward.graph.inserting_after(node):
+        with forward.graph.inserting_before(out_node):
             host = forward.graph.call_function(torch.ops.sacpass.offload.default, (node, index),
                                                name=f"{node.name}_offload")
         host.meta["val"] = torch.ops.sacpass.offload.default(node.meta["val"], index)
