@@ -96,6 +96,8 @@ GLM_CASES: dict[str, Callable[[], sacpass.Backend]] = {
     "glm_dense_sacpass": lambda: _glm_layer(SACPASS, 0),
     "glm_moe_baseline": lambda: _glm_layer(BASELINE, 1),
     "glm_moe_sacpass": lambda: _glm_layer(SACPASS, 1),
+    # sacpass.backend() with no options: the registered top-k and the default discrete decisions (the router)
+    "glm_moe_default": lambda: _glm_layer(REGISTERED, 1),
     "glm_fp8_sacpass": lambda: _glm_layer(SACPASS, 0, fp8=True),
     # FP8 changes what is saved the same way with or without the policy: one case keeps the test fast
     # shared-top-k and MTP layers take the IDs as input: there is no top-k for a policy to keep
