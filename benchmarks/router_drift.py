@@ -2,8 +2,10 @@
 
     python3 benchmarks/router_drift.py --seq 4096 --steps 300 --out benchmarks/results/router_drift_h200.json
 
-One bench MoE layer compiled with Inductor under full recompute of the router (sacpass with
-``save_discrete=False``: the backward replays ``MoE.route``, as a plain compiled checkpoint does). A probe
+One bench MoE layer with GLM-5.2's router (hidden 6144, 256 experts, top-8; ``--expert-width`` keeps the
+experts' own GEMMs small: the router's math is untouched) compiled with Inductor under full recompute of the
+router (sacpass with ``save_discrete=False``: the backward replays ``MoE.route``, as a plain compiled
+checkpoint does). A probe
 op after the router's top-k records the expert IDs each time it runs: once in the forward, once in the
 recompute. Each step draws a new input; the result is the number of steps, and of tokens, whose recomputed
 experts differ from the forward's. With sacpass's default the recompute never happens (the IDs are saved),
@@ -54,11 +56,17 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--device", default="cuda")
     p.add_argument("--preset", default="bench", choices=("bench", "tiny"))
+    p.add_argument("--experts", type=int, default=256, help="routed experts (GLM-5.2: 256, top-8)")
+    p.add_argument("--expert-width", type=int, default=128, help="moe_intermediate_size (the router ignores it)")
     p.add_argument("--out", default="benchmarks/results/router_drift.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = GLM52Config.preset(args.preset, recompute=True, num_layers=1, first_k_dense=0, mtp_layers=0)
+    cfg = GLM52Config.preset(args.preset, recompute=True, num_layers=1, first_k_dense=0, mtp_layers=0,
+                             num_experts=args.experts, moe_intermediate_size=args.expert_width)
+    if cfg.num_experts_per_tok >= cfg.num_experts:
+        sys.exit(f"router_drift: top-{cfg.num_experts_per_tok} of {cfg.num_experts} experts picks every expert: "
+                 f"nothing could differ; use --experts > {cfg.num_experts_per_tok}")
     layer = build_layer(cfg, device, dtype)
     layer.mlp.route = types.MethodType(probed_route, layer.mlp)
     be = sacpass.backend(inner="inductor" if device.type == "cuda" else "aot_eager", save_discrete=False)
