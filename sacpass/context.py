@@ -13,7 +13,7 @@ accepts for ``context_fn``, with a ``cache_hash`` for the AOTAutograd cache):
   of ops the policy saves; a discrete decision keeps only its integer outputs, int64 narrowed to int32, and the
   recompute rebuilds its values as a gather from the recomputed input (as the compiled pass does); an offload
   keeps a host copy. The recompute returns those instead of running the op again. Module-scoped selectors see
-  the module path at run time (forward hooks, paths relative to the outermost module called). Node predicates
+  the module path at run time (read off the call stack, relative to the outermost module called). Node predicates
   have no answer for an op at run time and apply under compile only.
 - **under torch.compile**: PyTorch's own selective-checkpoint contexts with a policy that marks the selected ops
   ``MUST_SAVE`` (module paths from the traced node's ``nn_module_stack``); the sacpass backend then partitions the
@@ -22,7 +22,7 @@ accepts for ``context_fn``, with a ``cache_hash`` for the AOTAutograd cache):
 from __future__ import annotations
 
 import functools
-import threading
+import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_map
 from .errors import SacpassError, warn
 from .nodes import clean_module_path, dtype_text
 from .policies import Policy
-from .selectors import VALUE_INDEX_OPS, CollectiveSelector, DiscreteSelector, PredicateSelector, is_discrete_op
+from .selectors import (VALUE_INDEX_OPS, CollectiveSelector, DiscreteSelector, ModuleOpSelector, PredicateSelector,
+                        is_discrete_op)
 
 __all__ = ["context_fn", "ContextSpec", "KeptValue"]
 
@@ -68,42 +69,25 @@ _SPECS: dict[str, ContextSpec] = {}
 
 
 # --------------------------------------------------------------------------------------- module paths
-class _ModuleStack(threading.local):
-    def __init__(self) -> None:
-        self.modules: list[torch.nn.Module] = []
-
-
-_STACK = _ModuleStack()
-_HOOKS: list = []
-
-
-def _install_module_hooks() -> None:
-    """Global forward hooks that keep the stack of modules being called (eager module paths)."""
-    if _HOOKS:
-        return
-
-    def pre(module, args):
-        if not torch.compiler.is_compiling():  # under compile Dynamo records module paths itself
-            _STACK.modules.append(module)
-
-    def post(module, args, output):
-        if not torch.compiler.is_compiling() and _STACK.modules and _STACK.modules[-1] is module:
-            _STACK.modules.pop()
-
-    _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(pre))
-    _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(post, always_call=True))
-
-
 def _eager_modules() -> list[tuple[str, str]]:
-    """[(path relative to the outermost module called, class name)] of the modules running now."""
+    """[(path relative to the outermost module being called, class name)] of the modules running now, read
+    off the Python call stack (``Module._call_impl`` frames): no hooks, nothing installed globally."""
+    call_impl = torch.nn.Module._call_impl.__code__
+    mods: list[torch.nn.Module] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is call_impl:
+            m = frame.f_locals.get("self")
+            if isinstance(m, torch.nn.Module) and (not mods or mods[-1] is not m):
+                mods.append(m)
+        frame = frame.f_back
+    mods.reverse()
     out, path = [], ""
-    mods = _STACK.modules
     for i, m in enumerate(mods):
         if i > 0:
             name = next((n for n, c in mods[i - 1].named_children() if c is m), None)
-            if name is None:
-                name = next((n for n, c in mods[0].named_modules() if c is m), type(m).__name__)
-                path = name
+            if name is None:  # not a direct child (a shared module): its path from the root
+                path = next((n for n, c in mods[0].named_modules() if c is m), type(m).__name__)
             else:
                 path = f"{path}.{name}" if path else name
         out.append((path, type(m).__name__))
@@ -122,10 +106,24 @@ def _traced_modules() -> list[tuple[str, str]]:
 
 
 # --------------------------------------------------------------------------------------------- choice
-def _action(policy: Policy, op, args, out, modules) -> tuple[str, str] | None:
-    """(action, reason) for one op call: recompute > offload > save > registered > defaults."""
+def _action(policy: Policy, op, args, out, modules_fn) -> tuple[str, str] | None:
+    """(action, reason) for one op call: recompute > offload > save > registered > defaults. The module stack
+    (``modules_fn()``) is looked up only when a module-scoped selector names this op."""
+    stack: list = []
+
+    def modules():
+        if not stack:
+            stack.append(modules_fn())
+        return stack[0]
+
     def hit(sels):
-        return next((s for s in sels if s.matches_op(op, modules)), None)
+        for s in sels:
+            if isinstance(s, ModuleOpSelector):
+                if s.op.matches_op(op) and s.matches_module(modules()):
+                    return s
+            elif s.matches_op(op):
+                return s
+        return None
 
     if hit(policy.recompute):
         return None
@@ -146,7 +144,7 @@ def _compile_policy(spec: ContextSpec, ctx, op, *args, **kwargs):
 
     if not isinstance(op, torch._ops.OpOverload):
         return CheckpointPolicy.PREFER_RECOMPUTE
-    chosen = _action(spec.policy, op, args, getattr(ctx, "op_output", None), _traced_modules())
+    chosen = _action(spec.policy, op, args, getattr(ctx, "op_output", None), _traced_modules)
     if chosen is None:
         recompute = any(s.matches_op(op, _traced_modules()) for s in spec.policy.recompute)
         return CheckpointPolicy.MUST_RECOMPUTE if recompute else CheckpointPolicy.PREFER_RECOMPUTE
@@ -200,8 +198,8 @@ def _limit(func, args, kwargs) -> int:
     return src.numel() if dim is None or src.dim() == 0 else src.shape[dim]
 
 
-class _ForwardMode(TorchDispatchMode):
-    """The checkpointed forward: run every op, keep what the policy says, in per-op order."""
+class _PolicyMode(TorchDispatchMode):
+    """A dispatch mode over one checkpoint call's storage (per op, in call order); never active in tracing."""
 
     @classmethod
     def ignore_compile_internals(cls):
@@ -210,7 +208,14 @@ class _ForwardMode(TorchDispatchMode):
     def __init__(self, spec: ContextSpec, storage) -> None:
         super().__init__()
         self.spec, self.storage = spec, storage
-        spec.kept.clear()
+
+
+class _ForwardMode(_PolicyMode):
+    """The checkpointed forward: run every op, keep what the policy says, in per-op order."""
+
+    def __enter__(self):
+        self.spec.kept.clear()
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -219,7 +224,7 @@ class _ForwardMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in SAC_IGNORED_OPS or not isinstance(func, torch._ops.OpOverload):
             return out
-        chosen = _action(self.spec.policy, func, args, out, _eager_modules())
+        chosen = _action(self.spec.policy, func, args, out, _eager_modules)
         entry = _Entry("recompute")
         if chosen is not None:
             action, reason = chosen
@@ -240,16 +245,8 @@ class _ForwardMode(TorchDispatchMode):
         return out
 
 
-class _RecomputeMode(TorchDispatchMode):
+class _RecomputeMode(_PolicyMode):
     """The recompute in the backward: hand back what the forward kept, rebuild decisions, run the rest."""
-
-    @classmethod
-    def ignore_compile_internals(cls):
-        return True
-
-    def __init__(self, spec: ContextSpec, storage) -> None:
-        super().__init__()
-        self.spec, self.storage = spec, storage
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -309,8 +306,6 @@ def _from_policy(policy: Policy):
     if predicates:
         warn(f"sacpass.context_fn: predicate selector(s) {', '.join(predicates)} read FX nodes and apply under "
              f"torch.compile only; in eager they select nothing. Use op or module-scoped selectors to cover both.")
-    if any(hasattr(s, "module") for s in policy.explicit + policy.registered):
-        _install_module_hooks()
     spec = ContextSpec(policy)
     key = spec.cache_hash if policy.cache_key() is not None else f"{spec.cache_hash}-{id(spec)}"
     spec = _SPECS.setdefault(key, spec)  # one spec per policy: Dynamo guards on the key, not the object

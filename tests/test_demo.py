@@ -23,9 +23,11 @@ def test_demo_end_to_end(tmp_path):
     assert "glm52::dsa_topk_indices.default" in out and "must-save" in out
     # which layers share which graph (layer 2 and the MTP layer have one structure), in both runs
     assert out.count("  g2: moe/shared-topk: layer 2, mtp 0") == 2, out
-    # activations apart from graph inputs: the control saves none, sacpass the two full layers' int32 IDs
+    # activations apart from graph inputs: the control saves none; sacpass the two full layers' int32 IDs
+    # [64, 32] and, in each of the two MoE graphs, the router's decisions as int32 (top-k [64, 2], argsort [128])
     assert "saved for backward, all graphs: activations 0 bytes in 0 tensors;" in out
-    assert f"saved for backward, all graphs: activations {2 * 64 * 32 * 4} bytes in 2 tensors;" in out
+    ids, router = 2 * 64 * 32 * 4, 2 * (64 * 2 * 4 + 128 * 4)
+    assert f"saved for backward, all graphs: activations {ids + router} bytes in 6 tensors;" in out
     diff = subprocess.run([sys.executable, "-m", "sacpass", "diff", str(dump / "control"), str(dump / "sacpass")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert diff.returncode == 1, diff.stdout + diff.stderr  # the top-k moved from backward to saved
