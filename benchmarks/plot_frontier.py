@@ -1,0 +1,63 @@
+"""The memory-speed frontier as a picture: step time against peak memory, one point per variant.
+
+    python3 benchmarks/plot_frontier.py benchmarks/results/frontier_run2_h200.json \
+        benchmarks/results/bench_model_h200.json --out benchmarks/results/frontier_h200.png
+
+Reads ``bench_layer.py`` results (one panel per sequence length) and ``bench_model.py`` results (one panel);
+needs matplotlib.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _layer_panels(result: dict) -> list[tuple[str, dict]]:
+    panels = []
+    for S, entry in sorted(result.get("seq", {}).items(), key=lambda kv: int(kv[0])):
+        points = {name: (v["peak_allocated_gib"], v["step_ms_median"])
+                  for name, v in entry.get("variants", {}).items() if "step_ms_median" in v and "peak_allocated_gib" in v}
+        if points:
+            panels.append((f"one layer, S={int(S) // 1024}K (ms)", points))
+    return panels
+
+
+def _model_panel(result: dict) -> list[tuple[str, dict]]:
+    points = {name: (v["peak_allocated_gib"], v["step_ms_median"] / 1e3)
+              for name, v in result.get("variants", {}).items() if "peak_allocated_gib" in v}
+    args = result.get("args", {})
+    return [(f"{args.get('layers')} layers, S={args.get('seq', 0) // 1024}K (s)", points)] if points else []
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", default="benchmarks/results/frontier.png")
+    args = p.parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for path in args.results:
+        with open(path) as f:
+            result = json.load(f)
+        panels += _model_panel(result) if "variants" in result else _layer_panels(result)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (title, points) in zip(axes[0], panels):
+        for name, (peak, t) in sorted(points.items()):
+            ax.scatter(peak, t, s=30)
+            ax.annotate(name, (peak, t), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("peak allocated (GiB)")
+        ax.set_ylabel("step time")
+        ax.grid(alpha=0.3)
+    fig.suptitle("memory-speed frontier, H200 (lower left is better)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(args.out)
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
