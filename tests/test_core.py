@@ -1,6 +1,5 @@
 """sacpass core, end to end on the toy DSA layer: the top-k is not re-run in backward, grads match eager."""
 import copy
-import warnings
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import sacpass

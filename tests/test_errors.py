@@ -1,6 +1,4 @@
 """Every refused input gets a sacpass error (or warning) that names the thing and the fix."""
-import copy
-import os
 import warnings
 
 import pytest

@@ -2,9 +2,7 @@
 import os
 import re
 
-import torch
 
-import sacpass
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sacpass
 from sacpass.testing import OpCounter
-from toy import ToyLayer, unwrap
+from toy import ToyLayer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPK = "sacpass_toy::topk_ids"

@@ -124,7 +124,7 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     return fw, bw
 
 
-def make_partitioner(config: PartitionConfig, uuid: str | None) -> "SacpassPartitioner":
+def make_partitioner(config: PartitionConfig, uuid: str | None):
     """The partitioner object for ``config`` (Inductor's ``custom_partitioner_fn`` slot or ``aot_autograd``'s
     ``partition_fn``). Built lazily: its base class comes from Inductor, which ``import sacpass`` avoids."""
     return _partitioner_class()(config, uuid)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import glm52_model.ops  # noqa: F401
-from glm52_model.ops.fp8 import (FP8_DTYPE, dequantize, fp8_linear, quantize_1x128, quantize_1x128_t,
-                                 quantize_128x128, ref_fp8_linear)
+from glm52_model.ops.fp8 import (FP8_DTYPE, dequantize, fp8_linear, quantize_1x128, quantize_128x128, ref_fp8_linear)
 from helpers import assert_similar
 
 FP8_MIN_COS, FP8_MAX_REL = 0.998, 0.06
