@@ -34,12 +34,11 @@ from torch.utils._pytree import tree_map
 from .errors import SacpassError, warn
 from .nodes import clean_module_path, dtype_text
 from .policies import Policy
-from .selectors import (VALUE_INDEX_OPS, CollectiveSelector, DiscreteSelector, ModuleOpSelector, PredicateSelector,
-                        is_discrete_op)
+from .selectors import (INT32_LIMIT, VALUE_INDEX_OPS, CollectiveSelector, DiscreteSelector, ModuleOpSelector,
+                        PredicateSelector, bound_args, is_discrete_op, selection_extent, tensors_in)
 
 __all__ = ["context_fn", "ContextSpec", "KeptValue"]
 
-_INT32_LIMIT = 2 ** 31 - 1
 
 
 @dataclass(frozen=True)
@@ -152,26 +151,6 @@ def _compile_policy(spec: ContextSpec, ctx, op, *args, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------- eager
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []
-
-
-def _bound(op: torch._ops.OpOverload, args, kwargs) -> dict:
-    out = {}
-    for i, arg in enumerate(op._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            out[arg.name] = args[i]
-        elif arg.name in kwargs:
-            out[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
-
-
 @dataclass
 class _Entry:
     action: str  # "recompute" | "save" | "discrete" | "offload"
@@ -180,22 +159,14 @@ class _Entry:
 
 
 def _keep(spec: ContextSpec, op, entry_value, reason: str) -> None:
-    for t in _tensors(entry_value):
+    for t in tensors_in(entry_value):
         spec.kept.append(KeptValue(f"{op._schema.name}.{op._overloadname or 'default'}", dtype_text(t.dtype),
                                    tuple(t.shape), t.numel() * t.element_size(), reason))
 
 
 def _narrow(idx: torch.Tensor, limit: int) -> torch.Tensor:
     """An int64 index over fewer than 2**31 positions, kept as int32 (as the compiled pass keeps it)."""
-    return idx.to(torch.int32) if idx.dtype == torch.int64 and limit <= _INT32_LIMIT else idx
-
-
-def _limit(func, args, kwargs) -> int:
-    src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if src is None:
-        return _INT32_LIMIT + 1
-    dim = _bound(func, args, kwargs).get("dim")
-    return src.numel() if dim is None or src.dim() == 0 else src.shape[dim]
+    return idx.to(torch.int32) if idx.dtype == torch.int64 and limit <= INT32_LIMIT else idx
 
 
 class _PolicyMode(TorchDispatchMode):
@@ -230,9 +201,9 @@ class _ForwardMode(_PolicyMode):
             action, reason = chosen
             kind = VALUE_INDEX_OPS.get(func._schema.name)
             if action == "discrete" and kind is not None and isinstance(out, tuple):
-                entry = _Entry("discrete", _narrow(out[1].detach(), _limit(func, args, kwargs)), out[1].dtype)
+                entry = _Entry("discrete", _narrow(out[1].detach(), selection_extent(func, args, kwargs)), out[1].dtype)
             elif action == "discrete" and isinstance(out, torch.Tensor):
-                entry = _Entry("discrete", _narrow(out.detach(), _limit(func, args, kwargs)), out.dtype)
+                entry = _Entry("discrete", _narrow(out.detach(), selection_extent(func, args, kwargs)), out.dtype)
             elif action == "discrete":  # several outputs, values among them: keep them all
                 entry = _Entry("save", tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
             elif action == "offload":
@@ -264,7 +235,7 @@ class _RecomputeMode(_PolicyMode):
             return func(*args, **kwargs)
         if entry.action == "save":
             return entry.value
-        device = next((t.device for t in _tensors(args)), torch.device("cpu"))
+        device = next((t.device for t in tensors_in(args)), torch.device("cpu"))
         if entry.action == "offload":
             return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, entry.value)
         # a discrete decision: the forward's indices; values gathered from the recomputed input
@@ -273,7 +244,7 @@ class _RecomputeMode(_PolicyMode):
         if kind is None:
             return idx
         src = args[0]
-        bound = _bound(func, args, kwargs)
+        bound = bound_args(func, args, kwargs)
         dim = bound.get("dim", -1)
         if kind == "same" or bound.get("keepdim", False):
             values = torch.gather(src, dim, idx)

@@ -33,6 +33,7 @@ from .nodes import module_stack, node_op
 __all__ = [
     "OpSelector", "ModuleOpSelector", "PredicateSelector", "CollectiveSelector", "DiscreteSelector",
     "Selector", "SelectorLike", "as_selector", "as_selectors", "DISCRETE_OPS", "VALUE_INDEX_OPS", "is_discrete_op",
+    "INT32_LIMIT", "bound_args", "selection_extent", "tensors_in",
 ]
 
 
@@ -269,11 +270,38 @@ def _is_int(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool
 
 
-def _tensors(val: Any) -> list[torch.Tensor]:
+INT32_LIMIT = 2 ** 31 - 1  # indices over fewer positions than this are kept as int32
+
+
+def bound_args(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict) -> dict:
+    """An op call's arguments by schema name, defaults filled in."""
+    out = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def selection_extent(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict,
+                     size: Callable[[Any], int] = int) -> int:
+    """How many positions a selection's indices range over: the selected dim of its input (all of it without
+    a dim). ``size`` reads a size (symbolic sizes at their hints). Past INT32_LIMIT when unknown."""
+    src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if src is None:
+        return INT32_LIMIT + 1
+    dim = bound_args(op, args, kwargs).get("dim")
+    return size(src.numel()) if dim is None or src.dim() == 0 else size(src.shape[dim])
+
+
+def tensors_in(val: Any) -> list[torch.Tensor]:
     if isinstance(val, torch.Tensor):
         return [val]
     if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
+        return [t for v in val for t in tensors_in(v)]
     return []
 
 
@@ -282,11 +310,11 @@ def is_discrete_op(op: torch._ops.OpOverload | None, inputs: Sequence[Any], outp
     integer output, or a custom op that returns an integer tensor computed from a floating-point input."""
     if op is None or op.namespace in _SKIP_NAMESPACES - {"aten"}:
         return False
-    if not any(_is_int(t.dtype) for t in _tensors(outputs)):
+    if not any(_is_int(t.dtype) for t in tensors_in(outputs)):
         return False
     if op.namespace == "aten":
         return op._schema.name.split("::", 1)[1] in DISCRETE_OPS
-    return any(t.dtype.is_floating_point for t in _tensors(list(inputs)))
+    return any(t.dtype.is_floating_point for t in tensors_in(list(inputs)))
 
 
 @dataclass(frozen=True)

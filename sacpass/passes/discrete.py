@@ -23,27 +23,20 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..nodes import is_getitem, node_op, size_hint
-from ..selectors import VALUE_INDEX_OPS
+from ..selectors import INT32_LIMIT, VALUE_INDEX_OPS, bound_args, selection_extent
 from .tag_policy import DISCRETE, TagResult
 
 __all__ = ["keep_decisions_pass"]
 
-_INT32_LIMIT = 2 ** 31 - 1
 _COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "ac_graph_id", "seq_nr",
                 "source_fn_stack", "partitioner_tag")
 
 
-def _bound_args(node: torch.fx.Node, op: torch._ops.OpOverload) -> dict:
-    """The op's arguments by name, defaults filled in."""
-    out = {}
-    for i, arg in enumerate(op._schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
+def _vals(node: torch.fx.Node) -> tuple[list, dict]:
+    """The node's args and kwargs with every node replaced by its (fake) value."""
+    def val(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+    return [val(a) for a in node.args], {k: val(v) for k, v in node.kwargs.items()}
 
 
 def _getitem(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
@@ -70,7 +63,7 @@ def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, p
     values, indices = _getitem(node, 0), _getitem(node, 1)
     if values is None or indices is None or not values.users:
         return []
-    args = _bound_args(node, op)
+    args = bound_args(op, node.args, node.kwargs)
     dim, src = args.get("dim", -1), node.args[0]
     aten = torch.ops.aten
     with graph.inserting_after(max(values, indices, key=lambda n: list(graph.nodes).index(n))):
@@ -85,16 +78,6 @@ def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, p
     values.replace_all_uses_with(rebuilt)
     graph.erase_node(values)
     return [values.name]
-
-
-def _dim_size(node: torch.fx.Node, op) -> int:
-    src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    if not isinstance(src, torch.Tensor):
-        return _INT32_LIMIT + 1
-    dim = _bound_args(node, op).get("dim")
-    if dim is None or src.dim() == 0:
-        return size_hint(src.numel())
-    return size_hint(src.shape[dim])
 
 
 def _narrow(graph: torch.fx.Graph, idx: torch.fx.Node, result: TagResult, selector: str, decision: str) -> None:
@@ -129,7 +112,7 @@ def keep_decisions_pass(gm: torch.fx.GraphModule, tags: TagResult) -> list[str]:
             removed += _rebuild_values(graph, node, op, kind, previous)
         idx = _getitem(node, 1) if kind is not None else (node if isinstance(node.meta.get("val"), torch.Tensor) else None)
         if idx is not None and idx.meta["val"].dtype == torch.int64 and idx.users \
-                and _dim_size(node, op) <= _INT32_LIMIT:
+                and selection_extent(op, *_vals(node), size=size_hint) <= INT32_LIMIT:
             _narrow(graph, idx, tags, rec.selector, rec.op)
     tags.records = [r for r in tags.records if r.name not in removed]
     graph.lint()
