@@ -12,11 +12,14 @@ was prefetched, the backward top-k runs, and the loss.
 
 Variants: ``control`` (full recompute: sacpass with no policy at all, i.e. PyTorch's min-cut over checkpoints
 that recompute every op, the top-k included), ``sacpass`` (the default backend), ``offload_ids`` (the top-k
-IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``budget`` (``memory_budget``).
+IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``budget`` (``memory_budget``), and
+``pytorch_budget``: PyTorch's own solver alone (no checkpoint, Inductor under
+``torch._functorch.config.activation_memory_budget=--budget``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -25,13 +28,14 @@ import sys
 import time
 
 import torch
+from torch._functorch import config as functorch_config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sacpass  # noqa: E402
 import sacpass.offload as offload_runtime  # noqa: E402
 from glm52_model import GLM52Config, GLM52ForCausalLM  # noqa: E402
-from glm52_model.compile import apply_compile  # noqa: E402
+from glm52_model.compile import apply_ac, apply_compile  # noqa: E402
 from sacpass.testing import OpCounter  # noqa: E402
 
 
@@ -44,6 +48,7 @@ def backends(args) -> dict:
         "offload_ids": lambda: sacpass.backend(inner=inner, offload=["glm52::dsa_topk_indices"]),
         "plan": lambda: sacpass.backend(inner=inner, plan=sacpass.Plan(host_bytes=host)),
         "budget": lambda: sacpass.backend(inner=inner, memory_budget=args.budget),
+        "pytorch_budget": lambda: inner,
     }
 
 
@@ -67,12 +72,17 @@ def measure(args, name, make_backend, device, dtype) -> dict:
     torch._dynamo.reset()
     model = build(args, device, dtype)
     be = make_backend()
+    budget = contextlib.nullcontext()
+    if name == "pytorch_budget":              # PyTorch's solver alone: no checkpoint, its budget
+        apply_ac(model, False)
+        budget = functorch_config.patch(activation_memory_budget=args.budget)
     apply_compile(model, backend=be)
+    reports = getattr(be, "reports", ())
     ids = torch.randint(0, model.cfg.vocab_size, (1, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    with OpCounter("glm52::dsa_topk_indices", "aten::topk") as calls:
+    with OpCounter("glm52::dsa_topk_indices", "aten::topk") as calls, budget:
         first = step(model, ids)
     sync()
     first_s = time.perf_counter() - t0
@@ -94,9 +104,9 @@ def measure(args, name, make_backend, device, dtype) -> dict:
     st = offload_runtime.stats()
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
-           "graphs": len(be.reports), "saved_activation_gib_per_graph": [r.activation_bytes / 2 ** 30 for r in be.reports],
-           "saved_host_gib_per_graph": [r.host_bytes / 2 ** 30 for r in be.reports],
-           "planned": {a: sum(1 for r in be.reports for d in r.decisions if d.action == a)
+           "graphs": len(reports), "saved_activation_gib_per_graph": [r.activation_bytes / 2 ** 30 for r in reports],
+           "saved_host_gib_per_graph": [r.host_bytes / 2 ** 30 for r in reports],
+           "planned": {a: sum(1 for r in reports for d in r.decisions if d.action == a)
                        for a in ("save", "offload", "recompute")},
            "offload": {"gib_per_step_each_way": st.offloaded_bytes / args.steps / 2 ** 30,
                        "prefetched_share": st.prefetched_bytes / max(1, st.reloaded_bytes),
@@ -122,7 +132,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--host-gib", type=float, default=4.0, help="planner host budget per layer (GiB)")
-    p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget variant")
+    p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
     args = p.parse_args(argv)
