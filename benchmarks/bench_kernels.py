@@ -1,4 +1,5 @@
-"""Kernel benchmark: TileLang DSA top-k vs the PyTorch reference kernel, sparse MLA fwd/bwd TFLOP/s.
+"""Kernel benchmark: TileLang DSA top-k vs the PyTorch reference kernel, sparse MLA fwd/bwd TFLOP/s, and
+the routed experts' grouped GEMMs in FP8 against bf16.
 
     python3 benchmarks/bench_kernels.py --out results/bench_kernels.json
 
@@ -8,6 +9,10 @@ heads --mla-heads; FLOPs count every slot (fwd 2*S*H*T*(576+512), bwd 2*S*H*T*(3
 Times are medians of CUDA-event timings after warm-up. Profile: the sparse MLA backward is also timed
 without its dkv scatter (an ablation built here from the production kernel: the fp32 vector atomics into
 dKV stripped from its TIR), so the scatter's share of the backward is measured.
+Routed experts: --experts-seq tokens x top-8 rows over 8 experts of the bench layer (hidden 6144, expert
+width 2048, balanced groups), the SwiGLU's three GEMMs forward and backward through ``glm52::grouped_mm``
+(bf16) and ``glm52::fp8_grouped_mm`` (tile-wise FP8, quantisation included), plus the FP8 GEMMs alone on
+operands quantised beforehand. Empty lists (``--topk-seq ""``) skip a section.
 """
 import argparse
 import functools
@@ -20,7 +25,7 @@ from unittest import mock
 
 import torch
 
-import glm52_model.ops  # noqa: F401
+import glm52_model.ops
 from glm52_model.ops.dsa_topk import _dsa_topk_kernel
 from glm52_model.ops.sparse_mla import _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
 
@@ -97,6 +102,7 @@ def without_dkv_scatter(prim_func):
 def compile_bwd_without_dkv_scatter(heads, topk, sm_scale, target_arch="sm_90a", **tunables):
     """Stands in for ``sparse_mla_tl.compile_sparse_mla_bwd`` (same signature) while the ablation is timed."""
     import tilelang
+
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     kernel = tilelang.compile(without_dkv_scatter(tl.build_sparse_mla_bwd(heads, topk, sm_scale, **tunables)),
                               target={"kind": "cuda", "arch": target_arch}, pass_configs=tl.BWD_PASS_CONFIGS)
@@ -136,12 +142,58 @@ def bench_mla(S, H, idx, reps, with_reference):
     return row
 
 
+def bench_experts(S, reps, E=8, top_k=8, hidden=6144, width=2048):
+    """fwd and bwd of the experts' three grouped GEMMs, bf16 vs FP8, ms and TFLOP/s."""
+    from glm52_model.ops.fp8 import quantize_1x128, quantize_128x128
+
+    R = S * top_k
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(R, hidden, device="cuda", generator=g).bfloat16()
+    h = torch.randn(R, width, device="cuda", generator=g).bfloat16()
+    w_in = (torch.randn(E, hidden, width, device="cuda", generator=g) * hidden ** -0.5).bfloat16()
+    w_out = (torch.randn(E, width, hidden, device="cuda", generator=g) * width ** -0.5).bfloat16()
+    offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (R // E)
+    dy_in = torch.randn(R, width, device="cuda", generator=g).bfloat16()
+    dy_out = torch.randn(R, hidden, device="cuda", generator=g).bfloat16()
+    flop = 2 * R * hidden * width * 3                                          # gate, up, down
+
+    def fwd(op):
+        return lambda: (op(x, w_in, offs), op(x, w_in, offs), op(h, w_out, offs))
+
+    def bwd(op):
+        return lambda: (op(dy_in, x, w_in, offs), op(dy_in, x, w_in, offs), op(dy_out, h, w_out, offs))
+
+    G = torch.ops.glm52
+    row = {"S": S, "rows": R, "experts": E, "hidden": hidden, "width": width}
+    for name, f, b in (("bf16", G.grouped_mm, G.grouped_mm_bwd), ("fp8", G.fp8_grouped_mm, G.fp8_grouped_mm_bwd)):
+        row[f"{name}_fwd_ms"] = cuda_time_ms(fwd(f), reps=reps)
+        row[f"{name}_bwd_ms"] = cuda_time_ms(bwd(b), reps=reps)
+        row[f"{name}_fwd_tflops"] = flop / row[f"{name}_fwd_ms"] / 1e9
+        row[f"{name}_bwd_tflops"] = 2 * flop / row[f"{name}_bwd_ms"] / 1e9
+    # the FP8 GEMMs alone: operands quantised beforehand, one blockwise GEMM per expert (forward form)
+    xq, wq = quantize_1x128(x), quantize_128x128(w_in.transpose(1, 2))
+    hq, woq = quantize_1x128(h), quantize_128x128(w_out.transpose(1, 2))
+    n = R // E
+
+    def gemms():
+        for e in range(E):
+            sl = slice(e * n, (e + 1) * n)
+            for a, b in ((xq, wq), (xq, wq), (hq, woq)):
+                G.fp8_blockwise_mm(a[0][sl], a[1][sl], b[0][e], b[1][e], torch.bfloat16)
+    row["fp8_gemms_only_fwd_ms"] = cuda_time_ms(gemms, reps=reps)
+    row["fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_fwd_ms"]
+    row["bwd_speedup"] = row["bf16_bwd_ms"] / row["fp8_bwd_ms"]
+    row["gemms_only_fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_gemms_only_fwd_ms"]
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--topk-seq", default="4096,16384")
     p.add_argument("--mla-seq", type=int, default=16384)
     p.add_argument("--mla-heads", default="16,64,128")
     p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--experts-seq", default="16384", help="tokens for the routed-expert GEMMs")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--mla-reference", action="store_true", help="also time the PyTorch sparse MLA kernels")
     p.add_argument("--out", default=None)
@@ -151,18 +203,23 @@ def main(argv=None):
     import tilelang
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "tilelang": tilelang.__version__, "python": platform.python_version(),
-              "command": " ".join(sys.argv), "topk": [], "sparse_mla": []}
+              "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": []}
     t0 = time.time()
     ids16 = None
-    for S in (int(s) for s in args.topk_seq.split(",")):
+    ints = lambda csv: [int(v) for v in csv.split(",") if v]
+    for S in ints(args.experts_seq):
+        row = bench_experts(S, args.reps)
+        print(json.dumps(row), flush=True)
+        result["experts"].append(row)
+    for S in ints(args.topk_seq):
         row, ids = bench_topk(S, args.topk, args.reps)
         print(json.dumps(row), flush=True)
         result["topk"].append(row)
         if S == args.mla_seq:
             ids16 = ids
-    if ids16 is None:
+    if ids16 is None and ints(args.mla_heads):
         _, ids16 = bench_topk(args.mla_seq, args.topk, 1)
-    for H in (int(h) for h in args.mla_heads.split(",")):
+    for H in ints(args.mla_heads):
         row = bench_mla(args.mla_seq, H, ids16, args.reps, args.mla_reference and H == 16)
         print(json.dumps(row), flush=True)
         result["sparse_mla"].append(row)

@@ -44,6 +44,7 @@ class GLM52Config:
     mtp_loss_weight: float = 0.3             # weight of the MTP loss in the training loss
     # -- training options
     fp8: bool = False                        # tile-wise FP8 GEMMs in the projection Linears
+    fp8_experts: bool = False                # tile-wise FP8 grouped GEMMs in the routed experts
     recompute: bool = True                   # activation checkpointing around every decoder layer
     init_std: float = 0.02                   # normal init std of weights
 

@@ -179,6 +179,7 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.empty(E, h, Im))
         self.w_down = nn.Parameter(torch.empty(E, Im, h))
         self.shared_experts = MLP(h, Im * cfg.num_shared_experts, cfg.fp8)
+        self.fp8_experts = cfg.fp8_experts                                       # glm52::fp8_grouped_mm
         self.dispatch: Callable[[MoE, Tensor, Tensor, Tensor], Tensor] = local_experts  # hook, see experts()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -198,10 +199,10 @@ class MoE(nn.Module):
 
     def grouped_ffn(self, xs: Tensor, offs: Tensor) -> Tensor:
         """SwiGLU of this module's experts over rows ``xs`` [R, h] sorted by expert; ``offs`` (int32, one
-        per expert held here) ends each expert's group."""
-        hs = F.silu(torch.ops.glm52.grouped_mm(xs, self.w_gate, offs)) * torch.ops.glm52.grouped_mm(
-            xs, self.w_up, offs)                                                 # [R, Im]
-        return torch.ops.glm52.grouped_mm(hs, self.w_down, offs)                 # [R, h]
+        per expert held here) ends each expert's group. Tile-wise FP8 GEMMs when ``cfg.fp8_experts``."""
+        gmm = torch.ops.glm52.fp8_grouped_mm if self.fp8_experts else torch.ops.glm52.grouped_mm
+        hs = F.silu(gmm(xs, self.w_gate, offs)) * gmm(xs, self.w_up, offs)       # [R, Im]
+        return gmm(hs, self.w_down, offs)                                        # [R, h]
 
 
 def local_experts(moe: MoE, x: Tensor, expert: Tensor, weight: Tensor) -> Tensor:

@@ -72,13 +72,14 @@ def quantize_1x128_t(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def quantize_128x128(w: Tensor) -> tuple[Tensor, Tensor]:
-    """[N, K] -> (fp8 [Np, Kp], fp32 scales [Np/128, Kp/128]); both dims zero padded to 128."""
-    w = _pad_to(_pad_to(w, 0, BLOCK), 1, BLOCK).contiguous()
-    Np, Kp = w.shape
-    blocks = w.float().view(Np // BLOCK, BLOCK, Kp // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(_EPS) / FP8_MAX               # [Np/128, Kp/128]
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(Np, Kp), scale
+    """[..., N, K] -> (fp8 [..., Np, Kp], fp32 scales [..., Np/128, Kp/128]); both dims zero padded to 128.
+    Leading dims are a batch (the experts of a grouped GEMM): blocks never straddle two of them."""
+    w = _pad_to(_pad_to(w, -2, BLOCK), -1, BLOCK).contiguous()
+    *lead, Np, Kp = w.shape
+    blocks = w.float().view(*lead, Np // BLOCK, BLOCK, Kp // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_EPS) / FP8_MAX              # [..., Np/128, Kp/128]
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(*lead, Np, Kp), scale
 
 
 def dequantize(x_fp8: Tensor, scale: Tensor) -> Tensor:

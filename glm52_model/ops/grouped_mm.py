@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["grouped_mm", "grouped_mm_bwd", "ref_grouped_mm"]
+__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "ref_grouped_mm"]
 
 
 def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
@@ -56,26 +56,34 @@ def _zero_tail(y: Tensor, offs: Tensor) -> Tensor:
     return y
 
 
-def _align_groups(x: Tensor, dy: Tensor, offs: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Copy each expert's rows of x and dy into slots padded to a multiple of ``align`` rows.
+def group_slots(offs: Tensor, rows: int, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Where each expert's rows go when every group is padded to a multiple of ``align`` rows.
 
-    Runs inside the kernel (eager), so reading the padded total is fine. Rows past offs[-1] are dropped:
-    they belong to no expert.
+    Returns ``src`` (the row ids that belong to an expert: rows past offs[-1] are dropped), ``dest`` (their
+    rows in the padded layout) and ``poffs`` (int32 [E], the padded group ends). Eager only: the caller reads
+    the padded total, ``int(poffs[-1])``.
     """
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()                 # [E]
     padded = (counts + align - 1) // align * align
     poffs = torch.cumsum(padded, 0)
-    rows = torch.arange(x.shape[0], device=x.device)
-    group = torch.searchsorted(offs.long(), rows, right=True)                   # expert of each row
+    src = torch.arange(rows, device=offs.device)
+    group = torch.searchsorted(offs.long(), src, right=True)                    # expert of each row
     keep = group < offs.shape[0]
-    group = group[keep]
-    dest = (poffs - padded)[group] + rows[keep] - (offs.long() - counts)[group]
+    src, group = src[keep], group[keep]
+    dest = (poffs - padded)[group] + src - (offs.long() - counts)[group]
+    return src, dest, poffs.to(torch.int32)
+
+
+def _align_groups(x: Tensor, dy: Tensor, offs: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Copy each expert's rows of x and dy into slots padded to a multiple of ``align`` rows (rows past
+    offs[-1] belong to no expert and are dropped)."""
+    src, dest, poffs = group_slots(offs, x.shape[0], align)
     total = int(poffs[-1]) if offs.numel() else 0
     xp = x.new_zeros((total, x.shape[1]))
     dyp = dy.new_zeros((total, dy.shape[1]))
-    xp[dest] = x[keep]
-    dyp[dest] = dy[keep]
-    return xp, dyp, poffs.to(torch.int32)
+    xp[dest] = x[src]
+    dyp[dest] = dy[src]
+    return xp, dyp, poffs
 
 
 @grouped_mm_bwd.register_fake

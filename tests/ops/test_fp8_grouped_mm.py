@@ -1,0 +1,169 @@
+"""glm52::fp8_grouped_mm (FP8 routed experts): opcheck, the fake-quant reference, FP8 vs fp32 within the
+dense FP8 linears' stated error (cosine >= 0.998, relative L2 <= 6%: tests/ops/test_fp8.py), uneven and empty
+groups, no tile across two experts, and the tiny model trained 20 steps with FP8 experts against bf16-style
+experts (loss within 1%)."""
+import pytest
+import torch
+from helpers import assert_similar
+
+import glm52_model.ops
+from glm52_model import GLM52Config, GLM52ForCausalLM
+from glm52_model.ops.fp8 import quantize_1x128
+from glm52_model.ops.fp8_grouped_mm import ref_fp8_grouped_mm
+from glm52_model.ops.grouped_mm import ref_grouped_mm
+
+OP, BWD = torch.ops.glm52.fp8_grouped_mm, torch.ops.glm52.fp8_grouped_mm_bwd
+FP8_MIN_COS, FP8_MAX_REL = 0.998, 0.06
+
+
+def _inputs(R=300, K=200, N=136, offs=(70, 70, 250, 290)):
+    """K and N not multiples of 128, an empty expert, rows past offs[-1], groups not 128-aligned."""
+    torch.manual_seed(0)
+    x = torch.randn(R, K, requires_grad=True)
+    w = (torch.randn(len(offs), K, N) * K ** -0.5).requires_grad_()
+    return x, w, torch.tensor(offs, dtype=torch.int32)
+
+
+def test_forward_is_the_fake_quant_reference():
+    x, w, offs = _inputs()
+    y = OP(x, w, offs)
+    assert y.shape == (300, 136) and y.dtype == x.dtype
+    torch.testing.assert_close(y, ref_fp8_grouped_mm(x.detach(), w.detach(), offs), rtol=1e-5, atol=1e-5)
+    assert bool((y[290:] == 0).all())                                            # no expert: 0
+
+
+def test_fp8_vs_fp32_forward_and_both_grads():
+    x, w, offs = _inputs()
+    dy = torch.randn(300, 136)
+    OP(x, w, offs).backward(dy)
+    x32, w32 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y32 = ref_grouped_mm(x32, w32, offs)
+    y32.backward(dy)
+    assert_similar(OP(x, w, offs), y32, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what="y")
+    assert_similar(x.grad, x32.grad, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what="dx")
+    assert_similar(w.grad, w32.grad, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what="dw")
+    assert bool((w.grad[1] == 0).all()) and bool((x.grad[290:] == 0).all())
+
+
+def test_wgrad_tiles_never_straddle_two_experts():
+    """Expert 0's rows are tiny, expert 1's huge: a 1x128 tile along tokens shared by both would scale
+    expert 0's gradient by expert 1's amax and flush it to zero in e4m3. Per-expert slots keep it exact-ish."""
+    torch.manual_seed(1)
+    K, N = 128, 128
+    x = torch.cat([torch.randn(60, K) * 1e-3, torch.randn(68, K) * 1e3])
+    w = torch.randn(2, K, N)
+    dy = torch.randn(128, N)
+    offs = torch.tensor([60, 128], dtype=torch.int32)
+    _, dw = BWD(dy, x, w, offs)
+    ref0 = x[:60].T @ dy[:60]
+    assert_similar(dw[0], ref0, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what="dw of the small expert")
+
+
+@pytest.mark.parametrize("offs", [(0, 0, 0), (5, 5, 5), (1, 2, 3)])
+def test_degenerate_groups(offs):
+    x, w, o = _inputs(R=5, K=32, N=16, offs=offs)
+    y = OP(x, w, o)
+    y.sum().backward()
+    assert torch.equal(y[o[-1]:], torch.zeros_like(y[o[-1]:]))
+    torch.testing.assert_close(y, ref_fp8_grouped_mm(x.detach(), w.detach(), o), rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    x, w, offs = _inputs(R=40, K=32, N=24, offs=(7, 7, 30, 40))
+    torch.library.opcheck(OP, (x, w, offs))
+    torch.library.opcheck(BWD, (torch.randn(40, 24), x.detach(), w.detach(), offs))
+
+
+def test_bad_inputs_name_the_op():
+    x, w, offs = _inputs(R=8, K=32, N=16, offs=(4, 8, 8, 8))
+    with pytest.raises(RuntimeError, match="grouped_mm: offs must be int32"):
+        OP(x, w, offs.long())
+    with pytest.raises(RuntimeError, match=r"grouped_mm: x \[R, K\] and w \[E, K, N\]"):
+        OP(x, w.transpose(1, 2), offs)
+
+
+def test_quantisation_is_per_row_so_grouping_cannot_change_the_forward():
+    """1x128 tiles along K are per row: quantising all rows at once equals quantising each group."""
+    x = torch.randn(10, 256)
+    q_all, s_all = quantize_1x128(x)
+    q_part, s_part = quantize_1x128(x[3:7])
+    assert torch.equal(q_all[3:7].view(torch.uint8), q_part.view(torch.uint8)) and torch.equal(s_all[3:7], s_part)
+
+
+def _batch(g: torch.Generator, vocab: int) -> torch.Tensor:
+    """Learnable but not memorisable: x[t+1] = (5 x[t] + 3) mod V from a fresh random start per sequence."""
+    x = [torch.randint(0, vocab, (8,), generator=g)]
+    for _ in range(63):
+        x.append((5 * x[-1] + 3) % vocab)
+    return torch.stack(x, 1)
+
+
+def _train(fp8_experts: bool, steps: int = 20) -> list[float]:
+    torch.manual_seed(0)
+    cfg = GLM52Config.tiny(fp8=True, fp8_experts=fp8_experts, recompute=False, mtp_layers=0)
+    model = GLM52ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = _batch(g, cfg.vocab_size)
+        loss = model(ids, labels=ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_tiny_model_20_steps_fp8_experts_loss_within_1_percent():
+    """The issue's numerics target on the CPU: the tiny model (FP8 linears) trained 20 steps with FP8 routed
+    experts ends within 1% of the same run with unquantised experts, and both actually train."""
+    fp8 = _train(True)
+    ref = _train(False)
+    assert fp8[-1] < fp8[0] * 0.8, f"did not train: {fp8[0]:.4f} -> {fp8[-1]:.4f}"
+    assert abs(fp8[-1] - ref[-1]) <= 0.01 * ref[-1], f"loss after 20 steps {fp8[-1]:.4f} vs {ref[-1]:.4f}"
+    assert fp8 != ref                                                            # the FP8 path really ran
+
+
+def test_model_uses_the_fp8_op_only_when_asked():
+    from sacpass.testing import OpCounter
+    for flag, op in ((True, "glm52::fp8_grouped_mm"), (False, "glm52::grouped_mm")):
+        torch.manual_seed(0)
+        cfg = GLM52Config.tiny(fp8_experts=flag, mtp_layers=0)
+        model = GLM52ForCausalLM(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (1, 32))
+        with OpCounter("glm52::fp8_grouped_mm", "glm52::grouped_mm") as calls:
+            model(ids, labels=ids)
+        assert calls.count("forward", op + ".") == 3 * 2, calls.counts           # 3 GEMMs x 2 MoE layers
+        other = "glm52::grouped_mm" if flag else "glm52::fp8_grouped_mm"
+        assert calls.count(op=other + ".") == 0
+
+
+@pytest.mark.slow
+def test_compiled_with_sacpass_matches_eager_and_keeps_the_topk():
+    """Two tiny layers (dense, MoE) with FP8 linears and FP8 experts, compile(checkpoint(layer)) with
+    sacpass: the graph holds the FP8 grouped op, the backward re-runs no top-k, grads equal eager."""
+    import copy
+
+    import sacpass
+    from glm52_model.compile import apply_compile
+    from sacpass.testing import OpCounter
+
+    torch.manual_seed(0)
+    cfg = GLM52Config.tiny(fp8=True, fp8_experts=True, num_layers=2, mtp_layers=0)
+    eager = GLM52ForCausalLM(cfg)
+    compiled = copy.deepcopy(eager)
+    be = sacpass.backend(inner="aot_eager")
+    apply_compile(compiled, backend=be)
+    ids = _batch(torch.Generator().manual_seed(2), cfg.vocab_size)[:2]
+    eager(ids, labels=ids).backward()
+    with OpCounter("glm52::dsa_topk_indices", "aten::topk", "glm52::fp8_grouped_mm",
+                   "glm52::fp8_grouped_mm_bwd") as calls:
+        compiled(ids, labels=ids).backward()
+    assert calls.count("backward", "glm52::dsa_topk_indices") == 0 and calls.count("backward", "aten::topk") == 0
+    assert calls.count("backward", "glm52::fp8_grouped_mm_bwd") == 3                 # the experts' backward ran
+    assert calls.count("forward", "glm52::fp8_grouped_mm.") == 3                      # in the compiled graph
+    assert any("fp8_grouped_mm" in op for r in be.reports for op in r.recomputed), [dict(r.recomputed) for r in be.reports]
+    for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=n)
