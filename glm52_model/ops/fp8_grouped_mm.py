@@ -17,9 +17,12 @@ Quantisation happens inside the ops: their inputs and the tensors autograd keeps
 offs), so swapping one op family for the other changes no saved set. The kernel quantises once and puts
 every expert's rows into 128-row slots (:func:`glm52_model.ops.grouped_mm.group_slots`), then runs one
 ``glm52::fp8_blockwise_mm`` per expert with rows: on CUDA that is cuBLASLt's sm90 blockwise FP8 GEMM, on
-the CPU the dequantise-then-matmul reference. ``ref_fp8_grouped_mm`` is an independent fake-quant loop.
+the CPU the dequantise-then-matmul reference. The quantisers are the kernel's argument (:class:`Quantisers`):
+PyTorch here, TileLang kernels on CUDA (``glm52_model.ops.cuda``). ``ref_fp8_grouped_mm`` is an independent fake-quant loop.
 """
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,18 +31,24 @@ from torch.utils.flop_counter import register_flop_formula
 from .fp8 import BLOCK, dequantize, quantize_1x128, quantize_1x128_t, quantize_128x128
 from .grouped_mm import _check, group_slots
 
-__all__ = ["fp8_grouped_mm", "fp8_grouped_mm_bwd", "ref_fp8_grouped_mm"]
+__all__ = ["TORCH_QUANTISERS", "Quantisers", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
+           "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
-    return torch.ops.glm52.fp8_blockwise_mm(a[0].contiguous(), a[1].contiguous(), b[0].contiguous(),
-                                            b[1].contiguous(), out_dtype)
+class Quantisers(NamedTuple):
+    """The three quantisations the kernel needs; each device brings its own (CUDA: TileLang kernels that fill
+    the experts' slots in the same pass, ``glm52_model.ops.cuda.fp8_quant_tl``)."""
+
+    rows: Callable[[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]]   # (x, src, dest, total): 1x128 along K
+    cols: Callable[[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]]   # same slots, 1x128 along rows, as x.T
+    blocks: Callable[[Tensor], tuple[Tensor, Tensor]]                      # [E, N, K] -> 128x128 blocks each
 
 
-def _slotted(q: Tensor, s: Tensor, dest: Tensor, src: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    """Rows ``src`` of quantised (q, s) moved to rows ``dest`` of a zeroed [total, ...] pair (fp8 rows
-    travel as bytes: index_put has no float8 kernel on every device)."""
+def _torch_rows(x: Tensor, src: Tensor, dest: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Quantise, then move rows ``src`` to slot rows ``dest`` of a zeroed [total, Kp] pair (fp8 rows travel as
+    bytes: index_put has no float8 kernel on every device)."""
+    q, s = quantize_1x128(x)
     qp = q.new_zeros((total, q.shape[1]), dtype=torch.uint8)
     qp[dest] = q.view(torch.uint8)[src]
     sp = s.new_ones((total, s.shape[1]))
@@ -47,34 +56,48 @@ def _slotted(q: Tensor, s: Tensor, dest: Tensor, src: Tensor, total: int) -> tup
     return qp.view(q.dtype), sp
 
 
-def _per_expert(poffs: Tensor, fn) -> None:
-    """Call ``fn(e, p0, p1)`` for every expert with rows, [p0, p1) its padded slot (one host sync)."""
-    p0 = 0
-    for e, p1 in enumerate(poffs.tolist()):
-        if p1 > p0:
-            fn(e, p0, p1)
-        p0 = p1
+def _torch_cols(x: Tensor, src: Tensor, dest: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    xp = x.new_zeros((total, x.shape[1]))
+    xp[dest] = x[src]
+    return quantize_1x128_t(xp)
 
 
-def _fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+TORCH_QUANTISERS = Quantisers(rows=_torch_rows, cols=_torch_cols, blocks=quantize_128x128)
+
+
+def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
+    return torch.ops.glm52.fp8_blockwise_mm(a[0].contiguous(), a[1].contiguous(), b[0].contiguous(),
+                                            b[1].contiguous(), out_dtype)
+
+
+def _experts_with_rows(offs: Tensor, poffs: Tensor):
+    """(e, slot [p0, p1), rows [r0, r1)) of every expert with rows (one host sync)."""
+    p0 = r0 = 0
+    for e, (p1, r1) in enumerate(zip(*torch.stack([poffs, offs]).tolist())):
+        if r1 > r0:
+            yield e, p0, p1, r0, r1
+        p0, r0 = p1, r1
+
+
+def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS) -> Tensor:
+    """y[g] = x[g] @ w[e]: x quantised into 128-row expert slots, one blockwise FP8 GEMM per expert."""
     _check(x, w, offs)
     R, N = x.shape[0], w.shape[2]
     y = x.new_zeros((R, N))
     if R == 0 or w.shape[0] == 0:
         return y
     src, dest, poffs = group_slots(offs, R, BLOCK)
-    xq = _slotted(*quantize_1x128(x), dest, src, int(poffs[-1]))                 # [Rp, Kp] in 128-row slots
-    wq, ws = quantize_128x128(w.transpose(1, 2))                                 # [E, Np, Kp] blocks of w[e].T
-    yp = x.new_empty((int(poffs[-1]), wq.shape[1]))
-
-    def expert(e, p0, p1):
-        yp[p0:p1] = _mm((xq[0][p0:p1], xq[1][p0:p1]), (wq[e], ws[e]), x.dtype)
-    _per_expert(poffs, expert)
-    y[src] = yp[dest, :N]
+    xq, xs = quant.rows(x, src, dest, int(poffs[-1]))                            # [Rp, Kp] in 128-row slots
+    wq, ws = quant.blocks(w.transpose(1, 2))                                     # [E, Np, Kp] blocks of w[e].T
+    for e, p0, p1, r0, r1 in _experts_with_rows(offs, poffs):
+        y[r0:r1] = _mm((xq[p0:p1], xs[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :N]
     return y
 
 
-def _fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
+                              quant: Quantisers = TORCH_QUANTISERS) -> tuple[Tensor, Tensor]:
+    """dgrad with dy in 1x128 tiles along N and the weight blocks of w[e]; wgrad with x and dy in 1x128 tiles
+    along tokens, each expert's rows in 128-row slots so that no tile straddles two experts."""
     _check(x, w, offs)
     R, K = x.shape
     dx, dw = torch.zeros_like(x), torch.zeros_like(w)
@@ -82,21 +105,14 @@ def _fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -
         return dx, dw
     src, dest, poffs = group_slots(offs, R, BLOCK)
     total = int(poffs[-1])
-    # dgrad: dy tiles along N, the forward's weight blocks transposed (blocks of w[e] = blocks of w[e].T, .T)
-    dyq = _slotted(*quantize_1x128(dy), dest, src, total)                        # [Rp, Np]
-    wq, ws = quantize_128x128(w)                                                 # [E, Kp, Np] blocks of w[e]
-    dxp = x.new_empty((total, wq.shape[1]))
-    # wgrad: x and dy in 1x128 tiles along tokens; slots of 128 rows keep each tile inside one expert
-    xp, dyp = x.new_zeros((total, K)), dy.new_zeros((total, dy.shape[1]))
-    xp[dest], dyp[dest] = x[src], dy[src]
-    xt, dyt = quantize_1x128_t(xp), quantize_1x128_t(dyp)                         # [K, Rp], [N, Rp]
-
-    def expert(e, p0, p1):
-        dxp[p0:p1] = _mm((dyq[0][p0:p1], dyq[1][p0:p1]), (wq[e], ws[e]), x.dtype)
+    dyq, dys = quant.rows(dy, src, dest, total)                                  # [Rp, Np]
+    wq, ws = quant.blocks(w)                                                     # [E, Kp, Np] blocks of w[e]
+    xt, xts = quant.cols(x, src, dest, total)                                    # [K, Rp], [K, Rp/128]
+    dyt, dyts = quant.cols(dy, src, dest, total)                                 # [N, Rp]
+    for e, p0, p1, r0, r1 in _experts_with_rows(offs, poffs):
+        dx[r0:r1] = _mm((dyq[p0:p1], dys[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :K]
         t0, t1 = p0 // BLOCK, p1 // BLOCK
-        dw[e] = _mm((xt[0][:, p0:p1], xt[1][:, t0:t1]), (dyt[0][:, p0:p1], dyt[1][:, t0:t1]), w.dtype)
-    _per_expert(poffs, expert)
-    dx[src] = dxp[dest, :K]
+        dw[e] = _mm((xt[:, p0:p1], xts[:, t0:t1]), (dyt[:, p0:p1], dyts[:, t0:t1]), w.dtype)
     return dx, dw
 
 
@@ -104,7 +120,7 @@ def _fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -
 @torch.library.custom_op("glm52::fp8_grouped_mm", mutates_args=())
 def fp8_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """y[g] = x[g] @ w[e] per expert's row group, both operands tile-wise FP8, fp32 accumulation."""
-    return _fp8_grouped_mm_kernel(x, w, offs)
+    return fp8_grouped_mm_kernel(x, w, offs)
 
 
 @fp8_grouped_mm.register_fake
@@ -116,7 +132,7 @@ def _(x, w, offs):
 @torch.library.custom_op("glm52::fp8_grouped_mm_bwd", mutates_args=())
 def fp8_grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     """(dx[g] = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]) in FP8; experts with no rows get dw = 0."""
-    return _fp8_grouped_mm_bwd_kernel(dy, x, w, offs)
+    return fp8_grouped_mm_bwd_kernel(dy, x, w, offs)
 
 
 @fp8_grouped_mm_bwd.register_fake

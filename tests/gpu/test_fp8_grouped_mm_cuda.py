@@ -46,3 +46,42 @@ def test_cuda_fp8_vs_bf16_grads():
     assert_similar(OP(x, w, offs).float(), y32.detach(), min_cos=0.998, max_rel=0.06, what="y")
     assert_similar(x.grad.float(), x32.grad, min_cos=0.998, max_rel=0.06, what="dx")
     assert_similar(w.grad.float(), w32.grad, min_cos=0.998, max_rel=0.06, what="dw")
+
+
+@pytest.mark.parametrize("cols", [6144, 200])
+def test_tilelang_quantisers_equal_the_torch_quantisers(cols):
+    """The single-pass kernels compute what glm52_model.ops.fp8 computes: same scales, same fp8 bytes, with
+    the experts' slot layout (row map with -1 rows) filled in the same pass."""
+    from glm52_model.ops.cuda import fp8_quant_tl as tl
+    from glm52_model.ops.fp8 import quantize_1x128, quantize_1x128_t, quantize_128x128
+    from glm52_model.ops.fp8_grouped_mm import TORCH_QUANTISERS
+    from glm52_model.ops.grouped_mm import group_slots
+
+    torch.manual_seed(2)
+    R = 1000
+    x = (torch.randn(R, cols, device="cuda") * torch.logspace(-2, 2, cols, device="cuda")).bfloat16()
+    offs = torch.tensor([100, 100, 700, 990], dtype=torch.int32, device="cuda")
+    src, dest, poffs = group_slots(offs, R, 128)
+    total = int(poffs[-1])
+    for kind in ("rows", "cols"):
+        got = getattr(tl, f"_{kind}")(x, src, dest, total)
+        want = getattr(TORCH_QUANTISERS, kind)(x, src, dest, total)
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape, kind
+        pad = torch.ones(total, dtype=torch.bool, device="cuda")
+        pad[dest] = False                                                       # slot padding: data 0
+        if kind == "rows":
+            assert torch.equal(got[1][~pad], want[1][~pad]), kind
+            assert bool((got[0].view(torch.uint8)[pad] == 0).all())
+        else:
+            assert torch.equal(got[1], want[1]), kind
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), kind
+    q, s = tl.quant_rows(x, tl.row_map(torch.arange(R, device="cuda"), torch.arange(R, device="cuda"), R, 32), R)
+    q2, s2 = quantize_1x128(x)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    qt, st = tl.quant_cols(x, tl.row_map(torch.arange(R, device="cuda"), torch.arange(R, device="cuda"), 1024, 128))
+    qt2, st2 = quantize_1x128_t(x)
+    assert torch.equal(qt.view(torch.uint8), qt2.view(torch.uint8)) and torch.equal(st, st2)
+    w = torch.randn(3, 300, cols, device="cuda").bfloat16()
+    qb, sb = tl.quant_blocks(w)
+    qb2, sb2 = quantize_128x128(w)
+    assert torch.equal(sb, sb2) and torch.equal(qb.view(torch.uint8), qb2.view(torch.uint8))

@@ -3,7 +3,9 @@
 Importing this package registers, when TileLang imports:
 
 - ``glm52::dsa_topk_indices``: fused indexer logits + radix top-k (:mod:`.dsa_topk_tl`);
-- ``glm52::sparse_mla`` / ``glm52::sparse_mla_bwd``: sparse MLA forward / backward (:mod:`.sparse_mla_tl`).
+- ``glm52::sparse_mla`` / ``glm52::sparse_mla_bwd``: sparse MLA forward / backward (:mod:`.sparse_mla_tl`);
+- ``glm52::fp8_grouped_mm`` / ``glm52::fp8_grouped_mm_bwd``: the same cuBLASLt GEMMs as without TileLang, with
+  the FP8 quantisation (and the experts' 128-row slots) in single-pass kernels (:mod:`.fp8_quant_tl`).
 
 Without TileLang these ops run their PyTorch reference kernels on CUDA too, each warning once
 (:func:`._common.reference_fallback`). With TileLang, inputs the kernels do not take (dtypes other than
@@ -31,10 +33,11 @@ REFERENCE_KERNELS = {
 }
 
 if TILELANG_AVAILABLE:
-    from . import dsa_topk_tl, sparse_mla_tl
+    from . import dsa_topk_tl, fp8_quant_tl, sparse_mla_tl
 
     dsa_topk_tl.register()
     sparse_mla_tl.register()
+    fp8_quant_tl.register()
 else:
     for _op, _reference in REFERENCE_KERNELS.items():
         torch.library.register_kernel(_op, "cuda")(reference_fallback(_op, _reference))
@@ -45,7 +48,12 @@ __all__ = ["TILELANG_AVAILABLE", "REFERENCE_KERNELS", "build_kernel_source", "bu
 
 def ci_kernel_names(target_arch: str = "sm_90a") -> list:
     """Names of the kernels CI builds (one per kernel builder) for `target_arch`."""
-    return sorted({**dsa_topk_tl.ci_builds(target_arch), **sparse_mla_tl.ci_builds(target_arch)})
+    return sorted(_ci_builds(target_arch))
+
+
+def _ci_builds(target_arch: str) -> dict:
+    return {**dsa_topk_tl.ci_builds(target_arch), **sparse_mla_tl.ci_builds(target_arch),
+            **fp8_quant_tl.ci_builds(target_arch)}
 
 
 def build_kernel_source(name: str, target_arch: str = "sm_90a", use_cache: bool = False) -> str:
@@ -55,7 +63,7 @@ def build_kernel_source(name: str, target_arch: str = "sm_90a", use_cache: bool 
 
     if not use_cache:
         tilelang.disable_cache()
-    builds = {**dsa_topk_tl.ci_builds(target_arch), **sparse_mla_tl.ci_builds(target_arch)}
+    builds = _ci_builds(target_arch)
     if name not in builds:
         raise KeyError(f"unknown kernel {name!r}; known: {sorted(builds)}")
     return builds[name]().get_kernel_source()
