@@ -26,10 +26,9 @@ from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
 from .fp8 import BLOCK, dequantize, quantize_1x128, quantize_1x128_t, quantize_128x128
-from .grouped_mm import _check, group_slots
+from .grouped_mm import _check, group_slots, register_grouped_family
 
 __all__ = ["TORCH_QUANTISERS", "Quantisers", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
            "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
@@ -123,46 +122,13 @@ def fp8_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return fp8_grouped_mm_kernel(x, w, offs)
 
 
-@fp8_grouped_mm.register_fake
-def _(x, w, offs):
-    _check(x, w, offs)
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
 @torch.library.custom_op("glm52::fp8_grouped_mm_bwd", mutates_args=())
 def fp8_grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     """(dx[g] = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]) in FP8; experts with no rows get dw = 0."""
     return fp8_grouped_mm_bwd_kernel(dy, x, w, offs)
 
 
-@fp8_grouped_mm_bwd.register_fake
-def _(dy, x, w, offs):
-    _check(x, w, offs)
-    return torch.empty_like(x), torch.empty_like(w)
-
-
-def _setup_context(ctx, inputs, output):
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
-
-
-def _backward(ctx, dy):
-    x, w, offs = ctx.saved_tensors
-    dx, dw = torch.ops.glm52.fp8_grouped_mm_bwd(dy, x, w, offs)
-    return dx, dw, None
-
-
-fp8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
-
-
-@register_flop_formula(torch.ops.glm52.fp8_grouped_mm)
-def _flops(x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
-    return 2 * x_shape[0] * x_shape[1] * w_shape[2]
-
-
-@register_flop_formula(torch.ops.glm52.fp8_grouped_mm_bwd)
-def _bwd_flops(dy_shape, x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
-    return 4 * x_shape[0] * x_shape[1] * w_shape[2]
+register_grouped_family("fp8_grouped_mm")                    # fakes, autograd, FLOPs: grouped_mm's
 
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "ref_grouped_mm"]
+__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "ref_grouped_mm", "register_grouped_family"]
 
 
 def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
@@ -29,12 +29,6 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """y[g] = x[g] @ w[e] for each expert's contiguous row group."""
     _check(x, w, offs)
     return _zero_tail(torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs), offs)
-
-
-@grouped_mm.register_fake
-def _(x, w, offs):
-    _check(x, w, offs)
-    return x.new_empty((x.shape[0], w.shape[2]))
 
 
 @torch.library.custom_op("glm52::grouped_mm_bwd", mutates_args=())
@@ -86,33 +80,43 @@ def _align_groups(x: Tensor, dy: Tensor, offs: Tensor, align: int) -> tuple[Tens
     return xp, dyp, poffs
 
 
-@grouped_mm_bwd.register_fake
-def _(dy, x, w, offs):
-    return torch.empty_like(x), torch.empty_like(w)
+def register_grouped_family(name: str) -> None:
+    """Fakes, autograd and FLOP formulas of a grouped GEMM pair ``glm52::<name>`` / ``glm52::<name>_bwd`` with
+    this module's contract: the forward saves (x, w, offs) and its backward is the ``_bwd`` op. Shared by the
+    bf16 family here and the FP8 one (:mod:`glm52_model.ops.fp8_grouped_mm`)."""
+    fwd, bwd = getattr(torch.ops.glm52, name), getattr(torch.ops.glm52, f"{name}_bwd")
+
+    def fake(x, w, offs):
+        _check(x, w, offs)
+        return x.new_empty((x.shape[0], w.shape[2]))
+
+    def fake_bwd(dy, x, w, offs):
+        _check(x, w, offs)
+        return torch.empty_like(x), torch.empty_like(w)
+
+    def setup_context(ctx, inputs, output):
+        x, w, offs = inputs
+        ctx.save_for_backward(x, w, offs)
+
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dx, dw = bwd(dy, x, w, offs)
+        return dx, dw, None
+
+    def flops(x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
+        return 2 * x_shape[0] * x_shape[1] * w_shape[2]
+
+    def flops_bwd(dy_shape, x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
+        return 4 * x_shape[0] * x_shape[1] * w_shape[2]
+
+    torch.library.register_fake(f"glm52::{name}")(fake)
+    torch.library.register_fake(f"glm52::{name}_bwd")(fake_bwd)
+    torch.library.register_autograd(f"glm52::{name}", backward, setup_context=setup_context)
+    register_flop_formula(fwd)(flops)
+    register_flop_formula(bwd)(flops_bwd)
 
 
-def _setup_context(ctx, inputs, output):
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
-
-
-def _backward(ctx, dy):
-    x, w, offs = ctx.saved_tensors
-    dx, dw = torch.ops.glm52.grouped_mm_bwd(dy, x, w, offs)
-    return dx, dw, None
-
-
-grouped_mm.register_autograd(_backward, setup_context=_setup_context)
-
-
-@register_flop_formula(torch.ops.glm52.grouped_mm)
-def _grouped_mm_flops(x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
-    return 2 * x_shape[0] * x_shape[1] * w_shape[2]
-
-
-@register_flop_formula(torch.ops.glm52.grouped_mm_bwd)
-def _grouped_mm_bwd_flops(dy_shape, x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
-    return 4 * x_shape[0] * x_shape[1] * w_shape[2]
+register_grouped_family("grouped_mm")
 
 
 def ref_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:

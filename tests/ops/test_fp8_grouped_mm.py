@@ -167,3 +167,11 @@ def test_compiled_with_sacpass_matches_eager_and_keeps_the_topk():
     for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_flop_formulas_count_the_experts_gemms():
+    from torch.utils.flop_counter import FlopCounterMode
+    x, w, offs = _inputs(R=40, K=32, N=24, offs=(7, 7, 30, 40))
+    with FlopCounterMode(display=False) as fc:
+        OP(x, w, offs).sum().backward()
+    assert fc.get_total_flops() == 2 * 40 * 32 * 24 + 4 * 40 * 32 * 24
