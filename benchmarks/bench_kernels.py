@@ -3,7 +3,9 @@ the routed experts' grouped GEMMs in FP8 against bf16.
 
     python3 benchmarks/bench_kernels.py --out results/bench_kernels.json
 
-Top-k: GLM-5.2 indexer (32 heads x 128, top-k 2048), causal, bf16, at --topk-seq (4K, 16K).
+Top-k: GLM-5.2 indexer (32 heads x 128, top-k 2048), causal, bf16, at --topk-seq (4K, 16K); then the same
+with FP8 logits (``quantize_indexer``: e4m3 q and k), its time with and without the quantisation, and how far
+its ID sets overlap the bf16 kernel's (mean and worst row).
 Sparse MLA: S = Sk = --mla-seq (16K), top-k 2048 IDs taken from the top-k kernel on random data,
 heads --mla-heads; FLOPs count every slot (fwd 2*S*H*T*(576+512), bwd 2*S*H*T*(3*576+2*512)).
 Times are medians of CUDA-event timings after warm-up. Profile: the sparse MLA backward is also timed
@@ -26,7 +28,7 @@ from unittest import mock
 import torch
 
 import glm52_model.ops
-from glm52_model.ops.dsa_topk import _dsa_topk_kernel
+from glm52_model.ops.dsa_topk import _dsa_topk_kernel, id_overlap, quantize_indexer
 from glm52_model.ops.sparse_mla import _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
 
 
@@ -68,7 +70,9 @@ def bench_topk(S, topk, reps):
     sk = tl.compile_topk_select(topk, tl.cuda_target()["arch"])
     logits = torch.empty(S, S, dtype=torch.float32, device="cuda")
     wq = (w * scale).contiguous()
-    row["logits_kernel_ms"] = cuda_time_ms(lambda: lk(q.view(S * H, D), k, wq, starts, ends, logits), reps=reps)
+    ones = torch.ones(S, dtype=torch.float32, device="cuda")
+    row["logits_kernel_ms"] = cuda_time_ms(lambda: lk(q.view(S * H, D), k, ones, wq, starts, ends, logits),
+                                           reps=reps)
     out = torch.empty(S, topk, dtype=torch.int32, device="cuda")
     row["select_kernel_ms"] = cuda_time_ms(lambda: sk(logits, starts, ends, out), reps=reps)
     row["torch_topk_on_logits_ms"] = cuda_time_ms(lambda: torch.topk(logits, topk, dim=1), reps=reps)
@@ -79,8 +83,28 @@ def bench_topk(S, topk, reps):
     ref = _dsa_topk_kernel(q, k, w, starts, ends, topk, scale)
     same = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).all(1)
     row["rows_with_identical_id_set"] = float(same.float().mean())
+    # FP8 logits (e4m3 q and k, one scale per head row and per key): same op, same select kernel
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    row["fp8_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
+                                 reps=reps)
+    row["fp8_with_quantisation_ms"] = cuda_time_ms(lambda: _fp8_call(tl, q, k, w, starts, ends, topk, scale),
+                                                   reps=reps)
+    lk8 = tl.compile_indexer_logits(H, D, tl.cuda_target()["arch"], torch.float8_e4m3fn, block_Q=4,
+                                    block_N=tl.BLOCK_N)
+    row["fp8_logits_kernel_ms"] = cuda_time_ms(lambda: lk8(q8.view(S * H, D), k8, ks, w8 * scale, starts, ends,
+                                                           logits), reps=reps)
+    ids8 = tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
+    overlap = id_overlap(ids8, ids)
+    row["fp8_id_overlap_mean"] = float(overlap.mean())
+    row["fp8_id_overlap_min"] = float(overlap.min())
+    row["fp8_speedup"] = row["tilelang_ms"] / row["fp8_ms"]
     del logits
     return row, ids
+
+
+def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    return tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
 
 
 def without_dkv_scatter(prim_func):

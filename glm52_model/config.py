@@ -45,6 +45,7 @@ class GLM52Config:
     # -- training options
     fp8: bool = False                        # tile-wise FP8 GEMMs in the projection Linears
     fp8_experts: bool = False                # tile-wise FP8 grouped GEMMs in the routed experts
+    fp8_indexer: bool = False                # the indexer's logits from e4m3 q and k (needs index_head_dim 128)
     recompute: bool = True                   # activation checkpointing around every decoder layer
     init_std: float = 0.02                   # normal init std of weights
 
@@ -63,6 +64,8 @@ class GLM52Config:
              f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
         need(self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim,
              f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= index_head_dim")
+        need(not self.fp8_indexer or self.index_head_dim == 128,
+             f"fp8_indexer needs index_head_dim=128 (one e4m3 scale per head row), got {self.index_head_dim}")
         for name in ("num_layers", "hidden_size", "num_heads", "kv_lora_rank", "index_topk", "num_experts"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
 

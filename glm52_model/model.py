@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from . import ops  # noqa: F401  (registers torch.ops.glm52.*)
 from .config import GLM52Config
 from .mtp import MTPLayer, cross_entropy, mtp_labels, mtp_loss
+from .ops.dsa_topk import quantize_indexer
 from .ops.fp8 import fp8_linear
 
 __all__ = ["RMSNorm", "Linear", "Indexer", "MLA", "MLP", "MoE", "DecoderLayer", "GLM52ForCausalLM",
@@ -88,7 +89,7 @@ class Indexer(nn.Module):
     def __init__(self, cfg: GLM52Config):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        self.topk = cfg.index_topk
+        self.topk, self.fp8 = cfg.index_topk, cfg.fp8_indexer
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.fp8)  # query from the MLA q latent
         self.wk = Linear(cfg.hidden_size, self.head_dim, cfg.fp8)                  # one shared key head
         self.k_norm = nn.LayerNorm(self.head_dim)
@@ -105,7 +106,11 @@ class Indexer(nn.Module):
         q = self._rope(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, Hi, Di]
         k = self.gather_keys(self._rope(self.k_norm(self.wk(x)), cos, sin))                 # [Tk, Di]
         w = self.weights_proj(x).float() * self.n_heads ** -0.5                             # [T, Hi]
-        return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, self.topk, self.head_dim ** -0.5)
+        k_scale = None
+        if self.fp8:                                                         # e4m3 logits, per-row scales
+            q, k, w, k_scale = quantize_indexer(q, k, w)
+        return torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, self.topk, self.head_dim ** -0.5,
+                                                k_scale=k_scale)
 
 
 class MLA(nn.Module):

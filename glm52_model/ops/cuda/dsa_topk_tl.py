@@ -2,9 +2,10 @@
 
 Two kernels, run per chunk of query rows:
 
-1. `build_indexer_logits`: score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j]) (bf16 tensor-core GEMM,
-   fp32 accumulate), with the per-row key range [starts[i], ends[i]) fused in (keys outside it get
-   -inf); key tiles wholly outside the block's range are never computed.
+1. `build_indexer_logits`: score[i, j] = ks[j] * sum_h w[i, h] * relu(q[i, h] . k[j]) (bf16 or e4m3
+   tensor-core GEMM, fp32 accumulate; ks = the keys' FP8 dequantisation scales, ones for bf16), with the
+   per-row key range [starts[i], ends[i]) fused in (keys outside it get -inf); key tiles wholly outside
+   the block's range are never computed.
 2. `build_topk_select`: one CTA per row; an exact 4-pass 8-bit radix select over the fp32 scores of
    the row's key range finds the k-th largest value, a gather pass collects the winners into shared
    memory, and a bitonic sort orders them by (score desc, key id asc). Rows with fewer valid keys
@@ -32,9 +33,10 @@ _INT_MAX = 2147483647
 # --------------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------------
-def build_indexer_logits(heads: int, dim: int, *, block_Q: int | None = None, block_N: int = 128,
-                         num_stages: int = 2, threads: int = 256):
-    """Masked indexer logits, fp32 [Sq, Sk]. Sq must be a multiple of block_Q, Sk of block_N.
+def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
+                         block_N: int = 128, num_stages: int = 2, threads: int = 256):
+    """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
+    be a multiple of block_Q, Sk of block_N.
 
     Tunables: block_Q queries per CTA (block_Q * heads rows form the GEMM's N side), block_N keys per
     tile, pipeline depth, threads.
@@ -44,13 +46,14 @@ def build_indexer_logits(heads: int, dim: int, *, block_Q: int | None = None, bl
     rows = block_Q * heads
     seq_q = T.dynamic("seq_q")
     seq_k = T.dynamic("seq_k")
-    dtype, accum = T.bfloat16, T.float32
+    dtype, accum = in_dtype, T.float32
 
     @T.prim_func
     def indexer_logits(
         Q: T.Tensor([seq_q * heads, dim], dtype),  # [Sq * H, D]
         K: T.Tensor([seq_k, dim], dtype),  # [Sk, D]
-        W: T.Tensor([seq_q, heads], accum),  # [Sq, H], scale folded in
+        KS: T.Tensor([seq_k], accum),  # [Sk] key dequantisation scales (ones for bf16)
+        W: T.Tensor([seq_q, heads], accum),  # [Sq, H], scale (and q's FP8 scales) folded in
         Starts: T.Tensor([seq_q], T.int32),
         Ends: T.Tensor([seq_q], T.int32),
         Logits: T.Tensor([seq_q, seq_k], accum),  # [Sq, Sk]
@@ -88,7 +91,7 @@ def build_indexer_logits(heads: int, dim: int, *, block_Q: int | None = None, bl
                 for i, n in T.Parallel(block_Q, block_N):
                     Logits[q0 + i, k0 + n] = T.if_then_else(
                         (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]),
-                        logits[n, i], -T.infinity(accum))
+                        logits[n, i] * KS[k0 + n], -T.infinity(accum))
 
     return indexer_logits
 
@@ -245,9 +248,13 @@ def build_topk_select(topk: int, *, threads: int = 1024):
 _SELECT_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
+_IN_DTYPES = {torch.bfloat16: T.bfloat16, torch.float8_e4m3fn: T.float8_e4m3fn}
+
+
 @functools.lru_cache(maxsize=None)
-def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", **tunables):
-    return tilelang.compile(build_indexer_logits(heads, dim, **tunables),
+def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in_dtype=torch.bfloat16,
+                           **tunables):
+    return tilelang.compile(build_indexer_logits(heads, dim, _IN_DTYPES[in_dtype], **tunables),
                             target={"kind": "cuda", "arch": target_arch})
 
 
@@ -263,6 +270,9 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
     return {
         "indexer_logits[h32,d128]": lambda: tilelang.compile(
             build_indexer_logits(32, 128, block_N=BLOCK_N), target={"kind": "cuda", "arch": target_arch}),
+        "indexer_logits_fp8[h32,d128]": lambda: tilelang.compile(
+            build_indexer_logits(32, 128, T.float8_e4m3fn, block_N=BLOCK_N),
+            target={"kind": "cuda", "arch": target_arch}),
         "topk_select[k2048]": lambda: tilelang.compile(
             build_topk_select(2048), target={"kind": "cuda", "arch": target_arch},
             pass_configs=_SELECT_PASS_CONFIGS),
@@ -277,16 +287,17 @@ BLOCK_N = 128
 
 
 def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
-                        ends: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
-    """CUDA kernel of `glm52::dsa_topk_indices`: q [S, H, D] bf16, k [Sk, D] bf16, weights [S, H]
-    (fp32 or bf16), starts/ends [S] int32 -> int32 [S, topk], ids by descending score, -1 padded.
-    Other q/k dtypes run the PyTorch kernel (the logits GEMM is bf16: it would round them)."""
-    _check(q, k, weights, starts, ends, topk)
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+                        ends: torch.Tensor, topk: int, scale: float,
+                        k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """CUDA kernel of `glm52::dsa_topk_indices`: q [S, H, D], k [Sk, D] both bf16 or both float8_e4m3fn with
+    ``k_scale`` [Sk], weights [S, H] (fp32 or bf16), starts/ends [S] int32 -> int32 [S, topk], ids by
+    descending score, -1 padded. Other q/k dtypes run the PyTorch kernel (the logits GEMM would round them)."""
+    _check(q, k, weights, starts, ends, topk, k_scale)
+    if q.dtype not in _IN_DTYPES or k.dtype != q.dtype:
         warn_once("glm52::dsa_topk_indices:dtype",
-                  f"glm52::dsa_topk_indices: the TileLang kernel takes bfloat16 q and k; {q.dtype} / {k.dtype} "
-                  f"inputs run the PyTorch reference kernel (slower) instead")
-        return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale)
+                  f"glm52::dsa_topk_indices: the TileLang kernel takes bfloat16 or float8_e4m3fn q and k; "
+                  f"{q.dtype} / {k.dtype} inputs run the PyTorch reference kernel (slower) instead")
+        return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale, k_scale)
     S, H, D = q.shape
     Sk = k.shape[0]
     dev = q.device
@@ -295,12 +306,14 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         return out
     arch = cuda_target(dev)["arch"]
     block_Q = max(1, 128 // H)
-    logits_k = compile_indexer_logits(H, D, arch, block_Q=block_Q, block_N=BLOCK_N)
+    logits_k = compile_indexer_logits(H, D, arch, q.dtype, block_Q=block_Q, block_N=BLOCK_N)
     select_k = compile_topk_select(topk, arch)
 
     q = q.contiguous()
-    k_pad = pad_dim(k, 0, round_up(max(Sk, 1), BLOCK_N))
-    Skp = k_pad.shape[0]
+    Skp = round_up(max(Sk, 1), BLOCK_N)
+    k_pad = pad_dim(k.view(torch.uint8), 0, Skp).view(k.dtype)                  # fp8 pads as bytes
+    ks = k_scale.float() if k_scale is not None else torch.ones(Sk, dtype=torch.float32, device=dev)
+    ks = pad_dim(ks, 0, Skp)
     w = (weights.to(torch.float32) * scale).contiguous()
     starts = starts.clamp(0, Sk).contiguous()
     ends = ends.clamp(0, Sk).contiguous()
@@ -312,11 +325,11 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         c1 = min(S, c0 + chunk)
         n = c1 - c0
         n_pad = round_up(n, block_Q)
-        qc = pad_dim(q[c0:c1], 0, n_pad).view(n_pad * H, D)
+        qc = pad_dim(q[c0:c1].view(torch.uint8), 0, n_pad).view(q.dtype).view(n_pad * H, D)
         wc = pad_dim(w[c0:c1], 0, n_pad)
         sc = pad_dim(starts[c0:c1], 0, n_pad)
         ec = pad_dim(ends[c0:c1], 0, n_pad)
-        logits_k(qc, k_pad, wc, sc, ec, logits[:n_pad])
+        logits_k(qc, k_pad, ks, wc, sc, ec, logits[:n_pad])
         select_k(logits[:n], sc[:n], ec[:n], out[c0:c1])
     return out
 
