@@ -69,6 +69,13 @@ def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dty
                                             b[1].contiguous(), out_dtype)
 
 
+def _blocks_t(quant: Quantisers, w: Tensor) -> tuple[Tensor, Tensor]:
+    """128x128 blocks of every w[e].T: the blocks of w[e], transposed (a block's amax is the same set of
+    values either way), so the bf16 weights are read once and only fp8 bytes are transposed."""
+    wq, ws = quant.blocks(w)                                                     # [E, Kp, Np]
+    return wq.transpose(1, 2).contiguous(), ws.transpose(1, 2).contiguous()
+
+
 def _experts_with_rows(offs: Tensor, poffs: Tensor):
     """(e, slot [p0, p1), rows [r0, r1)) of every expert with rows (one host sync)."""
     p0 = r0 = 0
@@ -87,7 +94,7 @@ def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers 
         return y
     src, dest, poffs = group_slots(offs, R, BLOCK)
     xq, xs = quant.rows(x, src, dest, int(poffs[-1]))                            # [Rp, Kp] in 128-row slots
-    wq, ws = quant.blocks(w.transpose(1, 2))                                     # [E, Np, Kp] blocks of w[e].T
+    wq, ws = _blocks_t(quant, w)                                                 # [E, Np, Kp] blocks of w[e].T
     for e, p0, p1, r0, r1 in _experts_with_rows(offs, poffs):
         y[r0:r1] = _mm((xq[p0:p1], xs[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :N]
     return y
