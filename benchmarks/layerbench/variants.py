@@ -209,6 +209,35 @@ def _sacpass_no_discrete(layer, backend):
     return _sacpass_variant(layer, backend, "sacpass-no-discrete", save_discrete=False)
 
 
+# ------------------------------------------------------------------ issue 13: the FP8 kernels, side by side
+def _fp8_kernels(layer: DecoderLayer, experts: bool, indexer: bool) -> DecoderLayer:
+    """Switch this private copy's routed experts / indexer logits to FP8 (what ``GLM52Config(fp8_experts=...,
+    fp8_indexer=...)`` builds): same weights, so the current kernels run beside them in one process."""
+    if experts:
+        layer.mlp.fp8_experts = True
+    if indexer:
+        layer.attn.indexer.fp8 = True
+    return layer
+
+
+@variant("sacpass_fp8_experts", color="tab:red", ls=":")
+def _sacpass_fp8_experts(layer, backend):
+    """sacpass with the routed experts in tile-wise FP8 (glm52::fp8_grouped_mm)"""
+    return _sacpass_variant(_fp8_kernels(layer, True, False), backend, "sacpass-fp8-experts")
+
+
+@variant("sacpass_fp8_indexer", color="tab:purple", ls=":")
+def _sacpass_fp8_indexer(layer, backend):
+    """sacpass with the indexer's logits from e4m3 q and k (same top-k op, k_scale given)"""
+    return _sacpass_variant(_fp8_kernels(layer, False, True), backend, "sacpass-fp8-indexer")
+
+
+@variant("sacpass_fp8_all", color="black", ls=":")
+def _sacpass_fp8_all(layer, backend):
+    """sacpass with both: FP8 routed experts and FP8 indexer logits"""
+    return _sacpass_variant(_fp8_kernels(layer, True, True), backend, "sacpass-fp8-all")
+
+
 @variant("offload_ids", color="tab:cyan", marker="^")
 def _offload_ids(layer, backend):
     """sacpass with the DSA top-k IDs offloaded to pinned host memory instead of kept on the GPU"""
