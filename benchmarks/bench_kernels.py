@@ -76,6 +76,13 @@ def bench_topk(S, topk, reps):
     out = torch.empty(S, topk, dtype=torch.int32, device="cuda")
     row["select_kernel_ms"] = cuda_time_ms(lambda: sk(logits, starts, ends, out), reps=reps)
     row["torch_topk_on_logits_ms"] = cuda_time_ms(lambda: torch.topk(logits, topk, dim=1), reps=reps)
+    # the two-read select (12-bit first round, threshold bin in shared memory) on the same logits
+    sk2 = tl.compile_topk_select(topk, tl.cuda_target()["arch"], candidates=3072)
+    out2 = torch.empty_like(out)
+    row["select_two_reads_ms"] = cuda_time_ms(lambda: sk2(logits, starts, ends, out2), reps=reps)
+    sk(logits, starts, ends, out)
+    row["select_two_reads_same_set_rows"] = float(
+        (torch.sort(out, 1).values == torch.sort(out2, 1).values).all(1).float().mean())
     row["reference_ms"] = cuda_time_ms(lambda: _dsa_topk_kernel(q, k, w, starts, ends, topk, scale),
                                        warmup=1, reps=max(3, reps // 3))
     row["speedup_vs_reference"] = row["reference_ms"] / row["tilelang_ms"]

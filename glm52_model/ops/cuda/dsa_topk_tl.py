@@ -9,7 +9,9 @@ Two kernels, run per chunk of query rows:
 2. `build_topk_select`: one CTA per row; an exact 4-pass 8-bit radix select over the fp32 scores of
    the row's key range finds the k-th largest value, a gather pass collects the winners into shared
    memory, and a bitonic sort orders them by (score desc, key id asc). Rows with fewer valid keys
-   than top-k are padded with -1.
+   than top-k are padded with -1. With ``candidates`` (``SELECT_CANDIDATES``): a 12-bit first round,
+   then one pass that keeps the winners and copies the threshold bin to shared memory, where the
+   other rounds run: two reads of the row instead of five.
 
 The op's `scale` is folded into the weights before the logits kernel.
 """
@@ -27,6 +29,8 @@ from ._common import cuda_target, next_pow2, pad_dim, round_up, warn_once
 
 RADIX_BITS = 8
 RADIX = 1 << RADIX_BITS
+FIRST_BITS = 12  # the two-read select's first round
+FIRST_BINS = 1 << FIRST_BITS
 _INT_MAX = 2147483647
 
 
@@ -102,13 +106,24 @@ def _ordered_key(x):
     return T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
 
 
-def build_topk_select(topk: int, *, threads: int = 1024):
-    """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad."""
+def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
+    """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
+
+    ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 8 bits), one
+    pass sends the keys above the threshold bin to the winners and copies the threshold bin's keys (up to
+    ``candidates`` of them) to shared memory, where the three other rounds and the final gather run. A row
+    whose threshold bin holds more keys runs the three rounds on the row as before. ``candidates=0`` builds
+    exactly the four-round kernel.
+    """
     sort_n = next_pow2(topk)
     log_n = sort_n.bit_length() - 1
     pairs = sort_n // 2
     seq_q = T.dynamic("seq_q")
     seq_k = T.dynamic("seq_k")
+    per = FIRST_BINS // threads                                  # first-round bins per thread
+    if candidates:
+        assert threads & (threads - 1) == 0 and per * threads == FIRST_BINS, "threads must divide 4096"
+    hist_n = (FIRST_BINS if candidates else RADIX) + 1
 
     @T.prim_func
     def topk_select(
@@ -119,10 +134,16 @@ def build_topk_select(topk: int, *, threads: int = 1024):
     ):
         with T.Kernel(seq_q, threads=threads) as row:
             tx = T.get_thread_binding()
-            hist = T.alloc_shared([RADIX + 1], T.int32)  # becomes suffix sums; hist[RADIX] = 0
+            hist = T.alloc_shared([hist_n], T.int32)  # becomes suffix sums; hist[RADIX] = 0
             ctl = T.alloc_shared([4], T.int32)  # 0: threshold bin, 1: #greater, 2: #equal
             skey = T.alloc_shared([sort_n], T.uint32)  # ~ordered key: ascending = score desc
             sidx = T.alloc_shared([sort_n], T.int32)
+            if candidates:
+                tsum = T.alloc_shared([threads + 1], T.int32)  # per-thread bin totals, then their suffix sums
+                ckey = T.alloc_shared([candidates], T.uint32)  # the threshold bin's keys ...
+                cidx = T.alloc_shared([candidates], T.int32)  # ... and their key ids
+                cnt = T.alloc_shared([1], T.int32)  # how many keys the threshold bin holds
+                ncand = T.alloc_var(T.int32)
 
             start = T.alloc_var(T.int32)
             end = T.alloc_var(T.int32)
@@ -154,8 +175,172 @@ def build_topk_select(topk: int, *, threads: int = 1024):
                     sidx[p] = _INT_MAX
             if tx < 4:
                 ctl[tx] = 0
+            if candidates:
+                if tx == 0:
+                    cnt[0] = 0
 
-            if n_valid > topk:
+            if candidates and n_valid > topk:
+                # round 0 on the row: the threshold bin of the top 12 bits (sign, exponent, 3 mantissa bits;
+                # 8 bits would span a factor of 4 in score and put up to half a long row in one bin)
+                T.sync_threads()
+                for it in T.serial(T.ceildiv(FIRST_BINS + 1, threads)):
+                    p = it * threads + tx
+                    if p <= FIRST_BINS:
+                        hist[p] = 0
+                T.sync_threads()
+                for it in T.serial(n_iter):
+                    j = start + it * threads + tx
+                    if j < end:
+                        x = Logits[row, j]
+                        key = _ordered_key(x)
+                        T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
+                T.sync_threads()
+                # suffix sums: each thread owns `per` consecutive bins; scan the threads' totals
+                val = 0
+                for i in T.serial(per):
+                    val = val + hist[tx * per + i]
+                tsum[tx] = val
+                if tx == 0:
+                    tsum[threads] = 0
+                for step in T.serial(threads.bit_length() - 1):
+                    T.sync_threads()
+                    val = tsum[tx]
+                    if tx + (1 << step) < threads:
+                        val = val + tsum[tx + (1 << step)]
+                    T.sync_threads()
+                    tsum[tx] = val
+                T.sync_threads()
+                val = tsum[tx + 1]                                   # keys in bins above this thread's
+                for i in T.serial(per):
+                    bin_ = tx * per + per - 1 - i
+                    if val < krem and val + hist[bin_] >= krem:
+                        ctl[0] = bin_
+                        ctl[3] = val                                 # keys strictly above the bin
+                    val = val + hist[bin_]
+                T.sync_threads()
+                bin_ = ctl[0]
+                krem = krem - ctl[3]
+                prefix = T.Cast(T.uint32, bin_) << T.uint32(32 - FIRST_BITS)
+                pmask = T.uint32((FIRST_BINS - 1) << (32 - FIRST_BITS))
+                # one pass: keys above the bin are winners; the bin's keys go to shared memory
+                for it in T.serial(n_iter):
+                    j = start + it * threads + tx
+                    if j < end:
+                        x = Logits[row, j]
+                        key = _ordered_key(x)
+                        if (key & pmask) > prefix:
+                            pos = T.atomic_add(ctl[1], 1, return_prev=True)
+                            skey[pos] = key ^ T.uint32(0xFFFFFFFF)
+                            sidx[pos] = j
+                        elif (key & pmask) == prefix:
+                            pos = T.atomic_add(cnt[0], 1, return_prev=True)
+                            if pos < candidates:
+                                ckey[pos] = key
+                                cidx[pos] = j
+                T.sync_threads()
+                ncand = cnt[0]
+                if ncand <= candidates:
+                    # rounds 1-3 on the candidates (shared memory)
+                    for rnd in T.serial(3):
+                        shift = T.Cast(T.uint32, T.max(32 - FIRST_BITS - RADIX_BITS - rnd * RADIX_BITS, 0))
+                        T.sync_threads()
+                        for it in T.serial(T.ceildiv(RADIX + 1, threads)):
+                            p = it * threads + tx
+                            if p <= RADIX:
+                                hist[p] = 0
+                        T.sync_threads()
+                        for it in T.serial(T.ceildiv(ncand, threads)):
+                            c = it * threads + tx
+                            if c < ncand:
+                                key = ckey[c]
+                                if (key & pmask) == prefix:
+                                    T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
+                        for step in T.serial(RADIX_BITS):
+                            T.sync_threads()
+                            if tx < RADIX:
+                                val = hist[tx]
+                                if tx + (1 << step) < RADIX:
+                                    val = val + hist[tx + (1 << step)]
+                            T.sync_threads()
+                            if tx < RADIX:
+                                hist[tx] = val
+                        T.sync_threads()
+                        if tx < RADIX:
+                            if hist[tx] >= krem and hist[tx + 1] < krem:
+                                ctl[0] = tx
+                        T.sync_threads()
+                        bin_ = ctl[0]
+                        krem = krem - hist[bin_ + 1]
+                        prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
+                        pmask = pmask | (T.uint32(RADIX - 1) << shift)
+                    T.sync_threads()
+                    for it in T.serial(T.ceildiv(ncand, threads)):
+                        c = it * threads + tx
+                        if c < ncand:
+                            key = ckey[c]
+                            if key > prefix:
+                                pos = T.atomic_add(ctl[1], 1, return_prev=True)
+                                skey[pos] = key ^ T.uint32(0xFFFFFFFF)
+                                sidx[pos] = cidx[c]
+                            elif key == prefix:
+                                pos = T.atomic_add(ctl[2], 1, return_prev=True)
+                                if pos < krem:
+                                    skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
+                                    sidx[topk - krem + pos] = cidx[c]
+                else:
+                    # the bin overflowed shared memory: rounds 1-3 and the gather on the row
+                    T.sync_threads()
+                    if tx == 0:
+                        ctl[1] = 0
+                    for rnd in T.serial(3):
+                        shift = T.Cast(T.uint32, T.max(32 - FIRST_BITS - RADIX_BITS - rnd * RADIX_BITS, 0))
+                        T.sync_threads()
+                        for it in T.serial(T.ceildiv(RADIX + 1, threads)):
+                            p = it * threads + tx
+                            if p <= RADIX:
+                                hist[p] = 0
+                        T.sync_threads()
+                        for it in T.serial(n_iter):
+                            j = start + it * threads + tx
+                            if j < end:
+                                x = Logits[row, j]
+                                key = _ordered_key(x)
+                                if (key & pmask) == prefix:
+                                    T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
+                        for step in T.serial(RADIX_BITS):
+                            T.sync_threads()
+                            if tx < RADIX:
+                                val = hist[tx]
+                                if tx + (1 << step) < RADIX:
+                                    val = val + hist[tx + (1 << step)]
+                            T.sync_threads()
+                            if tx < RADIX:
+                                hist[tx] = val
+                        T.sync_threads()
+                        if tx < RADIX:
+                            if hist[tx] >= krem and hist[tx + 1] < krem:
+                                ctl[0] = tx
+                        T.sync_threads()
+                        bin_ = ctl[0]
+                        krem = krem - hist[bin_ + 1]
+                        prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
+                        pmask = pmask | (T.uint32(RADIX - 1) << shift)
+                    T.sync_threads()
+                    for it in T.serial(n_iter):
+                        j = start + it * threads + tx
+                        if j < end:
+                            x = Logits[row, j]
+                            key = _ordered_key(x)
+                            if key > prefix:
+                                pos = T.atomic_add(ctl[1], 1, return_prev=True)
+                                skey[pos] = key ^ T.uint32(0xFFFFFFFF)
+                                sidx[pos] = j
+                            elif key == prefix:
+                                pos = T.atomic_add(ctl[2], 1, return_prev=True)
+                                if pos < krem:
+                                    skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
+                                    sidx[topk - krem + pos] = j
+            elif n_valid > topk:
                 # radix select: find the exact 32-bit key of the k-th largest score
                 for rnd in T.serial(4):
                     shift = T.Cast(T.uint32, 24 - rnd * RADIX_BITS)
@@ -258,6 +443,11 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
                             target={"kind": "cuda", "arch": target_arch})
 
 
+# The select the op runs: 0 = the four-round kernel (measured on the H200); > 0 = the two-read kernel with
+# this many shared-memory candidates (built in CI, not yet run on a GPU: bench_kernels.py times both).
+SELECT_CANDIDATES = 0
+
+
 @functools.lru_cache(maxsize=None)
 def compile_topk_select(topk: int, target_arch: str = "sm_90a", **tunables):
     return tilelang.compile(build_topk_select(topk, **tunables),
@@ -275,6 +465,9 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             target={"kind": "cuda", "arch": target_arch}),
         "topk_select[k2048]": lambda: tilelang.compile(
             build_topk_select(2048), target={"kind": "cuda", "arch": target_arch},
+            pass_configs=_SELECT_PASS_CONFIGS),
+        "topk_select_two_reads[k2048,c3072]": lambda: tilelang.compile(
+            build_topk_select(2048, candidates=3072), target={"kind": "cuda", "arch": target_arch},
             pass_configs=_SELECT_PASS_CONFIGS),
     }
 
@@ -307,7 +500,7 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     arch = cuda_target(dev)["arch"]
     block_Q = max(1, 128 // H)
     logits_k = compile_indexer_logits(H, D, arch, q.dtype, block_Q=block_Q, block_N=BLOCK_N)
-    select_k = compile_topk_select(topk, arch)
+    select_k = compile_topk_select(topk, arch, candidates=SELECT_CANDIDATES)
 
     q = q.contiguous()
     Skp = round_up(max(Sk, 1), BLOCK_N)
