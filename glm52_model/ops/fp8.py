@@ -107,6 +107,11 @@ def fp8_quantize(x: Tensor, tiles: str) -> tuple[Tensor, Tensor]:
     whose loop split fails an internal assertion (torch 2.13, cpp.py try_loop_split); as an op it is
     one opaque call under every backend. Faster device kernels can be registered on it.
     """
+    return _fp8_quantize_kernel(x, tiles)
+
+
+def _fp8_quantize_kernel(x: Tensor, tiles: str) -> tuple[Tensor, Tensor]:
+    """The op's PyTorch kernel (any device)."""
     torch._check(tiles in _QUANTISERS,
                  lambda: f"fp8_quantize: tiles={tiles!r}, expected one of {list(_QUANTISERS)}")
     q, s = _QUANTISERS[tiles](x)

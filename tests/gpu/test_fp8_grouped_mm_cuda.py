@@ -85,3 +85,18 @@ def test_tilelang_quantisers_equal_the_torch_quantisers(cols):
     qb, sb = tl.quant_blocks(w)
     qb2, sb2 = quantize_128x128(w)
     assert torch.equal(sb, sb2) and torch.equal(qb.view(torch.uint8), qb2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tiles", ["1x128", "1x128_t", "128x128"])
+def test_fp8_quantize_op_on_the_tilelang_kernels_is_bit_exact(tiles, monkeypatch):
+    """glm52::fp8_quantize with fp8_quant_tl.DENSE on (what the dense FP8 linears would run) gives the
+    PyTorch quantisers' bytes and scales, including dims that are not multiples of 128."""
+    from glm52_model.ops.cuda import fp8_quant_tl as tl
+    from glm52_model.ops.fp8 import _fp8_quantize_kernel
+
+    x = (torch.randn(333, 200, device="cuda") * 10).bfloat16()
+    monkeypatch.setattr(tl, "DENSE", True)
+    q, s = torch.ops.glm52.fp8_quantize(x, tiles)
+    q2, s2 = _fp8_quantize_kernel(x, tiles)
+    assert q.shape == q2.shape and s.shape == s2.shape
+    assert torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))

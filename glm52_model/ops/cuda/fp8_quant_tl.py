@@ -210,7 +210,7 @@ def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 __all__ = ["build_quant_rows", "build_quant_cols", "build_quant_blocks", "ci_builds", "takes", "row_map",
-           "quant_rows", "quant_cols", "quant_blocks", "register"]
+           "quant_rows", "quant_cols", "quant_blocks", "register", "DENSE", "fp8_quantize_cuda"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,6 +222,30 @@ def _rows(x, src, dest, total):
 
 def _cols(x, src, dest, total):
     return quant_cols(x, row_map(src, dest, total, TILE))
+
+
+# Whether the dense FP8 linears' ``glm52::fp8_quantize`` runs these kernels on CUDA too. Off until they have
+# run on the H200 (tests/gpu/test_fp8_grouped_mm_cuda.py checks them bit for bit against the PyTorch ones).
+DENSE = False
+
+
+def fp8_quantize_cuda(x: torch.Tensor, tiles: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA kernel of ``glm52::fp8_quantize``: these kernels when :data:`DENSE` and they take ``x``, else the
+    PyTorch quantisers (the op's own kernel)."""
+    from ..fp8 import _QUANTISERS, _fp8_quantize_kernel
+
+    if not (DENSE and takes(x) and x.dim() == 2 and tiles in _QUANTISERS):
+        return _fp8_quantize_kernel(x, tiles)
+    R = x.shape[0]
+    rows = torch.arange(R, device=x.device)
+    if tiles == "1x128":
+        q, s = quant_rows(x, row_map(rows, rows, R, 32), R)
+    elif tiles == "1x128_t":
+        q, s = quant_cols(x, row_map(rows, rows, round_up(R, TILE), TILE))
+    else:
+        q, s = quant_blocks(x[None])
+        q, s = q[0], s[0]
+    return q.contiguous(), s.contiguous()
 
 
 def register() -> None:
@@ -237,5 +261,6 @@ def register() -> None:
         quant = tilelang_quantisers if takes(dy) and takes(x) and takes(w) else TORCH_QUANTISERS
         return fp8_grouped_mm_bwd_kernel(dy, x, w, offs, quant)
 
+    torch.library.register_kernel("glm52::fp8_quantize", "cuda")(fp8_quantize_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm", "cuda")(fp8_grouped_mm_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm_bwd", "cuda")(fp8_grouped_mm_bwd_cuda)
