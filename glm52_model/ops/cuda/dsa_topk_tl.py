@@ -144,6 +144,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                 cidx = T.alloc_shared([candidates], T.int32)  # ... and their key ids
                 cnt = T.alloc_shared([1], T.int32)  # how many keys the threshold bin holds
                 ncand = T.alloc_var(T.int32)
+                kid = T.alloc_var(T.int32)
 
             start = T.alloc_var(T.int32)
             end = T.alloc_var(T.int32)
@@ -239,107 +240,69 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                                 cidx[pos] = j
                 T.sync_threads()
                 ncand = cnt[0]
-                if ncand <= candidates:
-                    # rounds 1-3 on the candidates (shared memory)
-                    for rnd in T.serial(3):
-                        shift = T.Cast(T.uint32, T.max(32 - FIRST_BITS - RADIX_BITS - rnd * RADIX_BITS, 0))
-                        T.sync_threads()
-                        for it in T.serial(T.ceildiv(RADIX + 1, threads)):
-                            p = it * threads + tx
-                            if p <= RADIX:
-                                hist[p] = 0
-                        T.sync_threads()
-                        for it in T.serial(T.ceildiv(ncand, threads)):
-                            c = it * threads + tx
-                            if c < ncand:
-                                key = ckey[c]
-                                if (key & pmask) == prefix:
-                                    T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
-                        for step in T.serial(RADIX_BITS):
-                            T.sync_threads()
-                            if tx < RADIX:
-                                val = hist[tx]
-                                if tx + (1 << step) < RADIX:
-                                    val = val + hist[tx + (1 << step)]
-                            T.sync_threads()
-                            if tx < RADIX:
-                                hist[tx] = val
-                        T.sync_threads()
-                        if tx < RADIX:
-                            if hist[tx] >= krem and hist[tx + 1] < krem:
-                                ctl[0] = tx
-                        T.sync_threads()
-                        bin_ = ctl[0]
-                        krem = krem - hist[bin_ + 1]
-                        prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
-                        pmask = pmask | (T.uint32(RADIX - 1) << shift)
-                    T.sync_threads()
-                    for it in T.serial(T.ceildiv(ncand, threads)):
-                        c = it * threads + tx
-                        if c < ncand:
-                            key = ckey[c]
-                            if key > prefix:
-                                pos = T.atomic_add(ctl[1], 1, return_prev=True)
-                                skey[pos] = key ^ T.uint32(0xFFFFFFFF)
-                                sidx[pos] = cidx[c]
-                            elif key == prefix:
-                                pos = T.atomic_add(ctl[2], 1, return_prev=True)
-                                if pos < krem:
-                                    skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
-                                    sidx[topk - krem + pos] = cidx[c]
-                else:
-                    # the bin overflowed shared memory: rounds 1-3 and the gather on the row
+                # rounds 1-3 and the gather: on the candidates in shared memory, or on the row when the
+                # threshold bin overflowed (one code path: the source is chosen per CTA, not per element)
+                if ncand > candidates:
                     T.sync_threads()
                     if tx == 0:
-                        ctl[1] = 0
-                    for rnd in T.serial(3):
-                        shift = T.Cast(T.uint32, T.max(32 - FIRST_BITS - RADIX_BITS - rnd * RADIX_BITS, 0))
-                        T.sync_threads()
-                        for it in T.serial(T.ceildiv(RADIX + 1, threads)):
-                            p = it * threads + tx
-                            if p <= RADIX:
-                                hist[p] = 0
-                        T.sync_threads()
-                        for it in T.serial(n_iter):
-                            j = start + it * threads + tx
-                            if j < end:
-                                x = Logits[row, j]
+                        ctl[1] = 0                                   # the gather below rewrites every winner
+                n_src = T.if_then_else(ncand <= candidates, ncand, n_valid)
+                for rnd in T.serial(3):
+                    shift = T.Cast(T.uint32, T.max(32 - FIRST_BITS - RADIX_BITS - rnd * RADIX_BITS, 0))
+                    T.sync_threads()
+                    for it in T.serial(T.ceildiv(RADIX + 1, threads)):
+                        p = it * threads + tx
+                        if p <= RADIX:
+                            hist[p] = 0
+                    T.sync_threads()
+                    for it in T.serial(T.ceildiv(n_src, threads)):
+                        c = it * threads + tx
+                        if c < n_src:
+                            if ncand <= candidates:
+                                key = ckey[c]
+                            else:
+                                x = Logits[row, start + c]
                                 key = _ordered_key(x)
-                                if (key & pmask) == prefix:
-                                    T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
-                        for step in T.serial(RADIX_BITS):
-                            T.sync_threads()
-                            if tx < RADIX:
-                                val = hist[tx]
-                                if tx + (1 << step) < RADIX:
-                                    val = val + hist[tx + (1 << step)]
-                            T.sync_threads()
-                            if tx < RADIX:
-                                hist[tx] = val
+                            if (key & pmask) == prefix:
+                                T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
+                    for step in T.serial(RADIX_BITS):
                         T.sync_threads()
                         if tx < RADIX:
-                            if hist[tx] >= krem and hist[tx + 1] < krem:
-                                ctl[0] = tx
+                            val = hist[tx]
+                            if tx + (1 << step) < RADIX:
+                                val = val + hist[tx + (1 << step)]
                         T.sync_threads()
-                        bin_ = ctl[0]
-                        krem = krem - hist[bin_ + 1]
-                        prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
-                        pmask = pmask | (T.uint32(RADIX - 1) << shift)
+                        if tx < RADIX:
+                            hist[tx] = val
                     T.sync_threads()
-                    for it in T.serial(n_iter):
-                        j = start + it * threads + tx
-                        if j < end:
-                            x = Logits[row, j]
+                    if tx < RADIX:
+                        if hist[tx] >= krem and hist[tx + 1] < krem:
+                            ctl[0] = tx
+                    T.sync_threads()
+                    bin_ = ctl[0]
+                    krem = krem - hist[bin_ + 1]
+                    prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
+                    pmask = pmask | (T.uint32(RADIX - 1) << shift)
+                T.sync_threads()
+                for it in T.serial(T.ceildiv(n_src, threads)):
+                    c = it * threads + tx
+                    if c < n_src:
+                        if ncand <= candidates:
+                            key = ckey[c]
+                            kid = cidx[c]
+                        else:
+                            x = Logits[row, start + c]
                             key = _ordered_key(x)
-                            if key > prefix:
-                                pos = T.atomic_add(ctl[1], 1, return_prev=True)
-                                skey[pos] = key ^ T.uint32(0xFFFFFFFF)
-                                sidx[pos] = j
-                            elif key == prefix:
-                                pos = T.atomic_add(ctl[2], 1, return_prev=True)
-                                if pos < krem:
-                                    skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
-                                    sidx[topk - krem + pos] = j
+                            kid = start + c
+                        if key > prefix:
+                            pos = T.atomic_add(ctl[1], 1, return_prev=True)
+                            skey[pos] = key ^ T.uint32(0xFFFFFFFF)
+                            sidx[pos] = kid
+                        elif key == prefix:
+                            pos = T.atomic_add(ctl[2], 1, return_prev=True)
+                            if pos < krem:
+                                skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
+                                sidx[topk - krem + pos] = kid
             elif n_valid > topk:
                 # radix select: find the exact 32-bit key of the k-th largest score
                 for rnd in T.serial(4):
