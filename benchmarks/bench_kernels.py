@@ -27,7 +27,7 @@ from unittest import mock
 
 import torch
 
-import glm52_model.ops
+import glm52_model.ops  # noqa: F401
 from glm52_model.ops.dsa_topk import _dsa_topk_kernel, id_overlap, quantize_indexer
 from glm52_model.ops.sparse_mla import _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .fp8 import BLOCK, dequantize, quantize_1x128, quantize_1x128_t, quantize_128x128
-from .grouped_mm import _check, group_slots, register_grouped_family
+from .grouped_mm import _check, group_slots, register_grouped_family, slot_rows
 
 __all__ = ["TORCH_QUANTISERS", "Quantisers", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
            "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
@@ -45,20 +45,11 @@ class Quantisers(NamedTuple):
 
 
 def _torch_rows(x: Tensor, src: Tensor, dest: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    """Quantise, then move rows ``src`` to slot rows ``dest`` of a zeroed [total, Kp] pair (fp8 rows travel as
-    bytes: index_put has no float8 kernel on every device)."""
-    q, s = quantize_1x128(x)
-    qp = q.new_zeros((total, q.shape[1]), dtype=torch.uint8)
-    qp[dest] = q.view(torch.uint8)[src]
-    sp = s.new_ones((total, s.shape[1]))
-    sp[dest] = s[src]
-    return qp.view(q.dtype), sp
+    return quantize_1x128(slot_rows(x, src, dest, total))
 
 
 def _torch_cols(x: Tensor, src: Tensor, dest: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    xp = x.new_zeros((total, x.shape[1]))
-    xp[dest] = x[src]
-    return quantize_1x128_t(xp)
+    return quantize_1x128_t(slot_rows(x, src, dest, total))
 
 
 TORCH_QUANTISERS = Quantisers(rows=_torch_rows, cols=_torch_cols, blocks=quantize_128x128)

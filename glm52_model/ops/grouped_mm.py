@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "ref_grouped_mm", "register_grouped_family"]
+__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "ref_grouped_mm", "register_grouped_family", "slot_rows"]
 
 
 def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
@@ -68,16 +68,19 @@ def group_slots(offs: Tensor, rows: int, align: int) -> tuple[Tensor, Tensor, Te
     return src, dest, poffs.to(torch.int32)
 
 
+def slot_rows(x: Tensor, src: Tensor, dest: Tensor, total: int) -> Tensor:
+    """Rows ``src`` of x at rows ``dest`` of a zeroed [total, ...] tensor (the layout of :func:`group_slots`)."""
+    xp = x.new_zeros((total, *x.shape[1:]))
+    xp[dest] = x[src]
+    return xp
+
+
 def _align_groups(x: Tensor, dy: Tensor, offs: Tensor, align: int) -> tuple[Tensor, Tensor, Tensor]:
     """Copy each expert's rows of x and dy into slots padded to a multiple of ``align`` rows (rows past
     offs[-1] belong to no expert and are dropped)."""
     src, dest, poffs = group_slots(offs, x.shape[0], align)
     total = int(poffs[-1]) if offs.numel() else 0
-    xp = x.new_zeros((total, x.shape[1]))
-    dyp = dy.new_zeros((total, dy.shape[1]))
-    xp[dest] = x[src]
-    dyp[dest] = dy[src]
-    return xp, dyp, poffs
+    return slot_rows(x, src, dest, total), slot_rows(dy, src, dest, total), poffs
 
 
 def register_grouped_family(name: str) -> None:

@@ -169,6 +169,11 @@ def row_map(src: torch.Tensor, dest: torch.Tensor, total: int, multiple: int = 1
     return m
 
 
+def _zero_tiles(q: torch.Tensor, s: torch.Tensor) -> None:
+    q.view(torch.uint8).zero_()
+    s.fill_(EPS / FP8_MAX)
+
+
 def quant_rows(x: torch.Tensor, rmap: torch.Tensor, total: int, block_M: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along K of rows ``rmap`` of x: (q [total, Kp], s [total, Kp/128]); rmap holds
     round_up(total, block_M) entries."""
@@ -179,8 +184,8 @@ def quant_rows(x: torch.Tensor, rmap: torch.Tensor, total: int, block_M: int = 3
     s = torch.empty(rows, kp // TILE, dtype=torch.float32, device=x.device)
     if rows and x.shape[0]:
         _compiled("rows", (cols,), x.dtype, cuda_target(x.device)["arch"])(x, rmap, q, s)
-    elif rows:
-        q.view(torch.uint8).zero_(), s.fill_(EPS / FP8_MAX)
+    elif rows:                                               # no input rows: all-zero tiles, as the kernel writes
+        _zero_tiles(q, s)
     return q[:total], s[:total]
 
 
@@ -194,7 +199,7 @@ def quant_cols(x: torch.Tensor, rmap: torch.Tensor) -> tuple[torch.Tensor, torch
     if rows and cols and x.shape[0]:
         _compiled("cols", (cols,), x.dtype, cuda_target(x.device)["arch"])(x, rmap, q, s)
     elif rows and cols:
-        q.view(torch.uint8).zero_(), s.fill_(EPS / FP8_MAX)
+        _zero_tiles(q, s)
     return q, s
 
 
