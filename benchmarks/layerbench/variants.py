@@ -7,9 +7,11 @@ function here; the run order, tables and plot pick it up (add it to :data:`RUN_O
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 from dataclasses import dataclass, field
 from typing import Callable
+from unittest import mock
 
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -210,6 +212,19 @@ def _sacpass_no_discrete(layer, backend):
 
 
 # ------------------------------------------------------------------ issue 13: the FP8 kernels, side by side
+@variant("sacpass_four_round", color="tab:green", ls="--")
+def _sacpass_four_round(layer, backend):
+    """sacpass with the top-k select the CUDA kernels had before the two-read select (dsa_topk_tl.SELECT_CANDIDATES = 0)"""
+    built = _sacpass_variant(layer, backend, "sacpass-four-round")
+
+    def fn(*args):
+        from glm52_model.ops.cuda import dsa_topk_tl                 # the select is picked per call, at run time
+
+        with mock.patch.object(dsa_topk_tl, "SELECT_CANDIDATES", 0):
+            return built.fn(*args)
+    return dataclasses.replace(built, fn=fn)
+
+
 def _fp8_kernels(layer: DecoderLayer, experts: bool, indexer: bool) -> DecoderLayer:
     """Switch this private copy's routed experts / indexer logits to FP8 (what ``GLM52Config(fp8_experts=...,
     fp8_indexer=...)`` builds): same weights, so the current kernels run beside them in one process."""

@@ -27,44 +27,62 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .fp8 import BLOCK, dequantize, quantize_1x128, quantize_1x128_t, quantize_128x128
+from .fp8 import BLOCK, FP8_DTYPE, dequantize, quantize_1x128, quantize_1x128_t, quantize_128x128
 from .grouped_mm import _check, group_slots, register_grouped_family, slot_rows
 
-__all__ = ["TORCH_QUANTISERS", "Quantisers", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
+__all__ = ["TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
            "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
 
 
 # ---------------------------------------------------------------------------------------------- kernel
 class Quantisers(NamedTuple):
-    """The three quantisations the kernel needs; each device brings its own (CUDA: TileLang kernels that fill
+    """The four quantisations the kernel needs; each device brings its own (CUDA: TileLang kernels that fill
     the experts' slots in the same pass, ``glm52_model.ops.cuda.fp8_quant_tl``)."""
 
     rows: Callable[[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]]   # (x, src, dest, total): 1x128 along K
-    cols: Callable[[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]]   # same slots, 1x128 along rows, as x.T
-    blocks: Callable[[Tensor], tuple[Tensor, Tensor]]                      # [E, N, K] -> 128x128 blocks each
+    cols: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (x, src, dest, poffs): see expert_cols
+    blocks: Callable[[Tensor], tuple[Tensor, Tensor]]                      # [E, N, K] -> 128x128 blocks of each w[e]
+    blocks_t: Callable[[Tensor], tuple[Tensor, Tensor]]                    # [E, N, K] -> the blocks of each w[e].T
+
+
+def expert_cols(q: Tensor, s: Tensor, cols: int, p0: int, p1: int) -> tuple[Tensor, Tensor]:
+    """Expert slot [p0, p1) of a ``Quantisers.cols`` result: the slot's rows of x in 1x128 tiles along the rows,
+    as x[slot].T, ``([C, p1 - p0], [C, (p1 - p0) / 128])``, contiguous. ``cols`` lays the experts out one after
+    the other (elements [C * p0, C * p1) of the flat data), so each wgrad GEMM reads its operand in place."""
+    return (q[cols * p0:cols * p1].view(cols, p1 - p0),
+            s[cols * p0 // BLOCK:cols * p1 // BLOCK].view(cols, (p1 - p0) // BLOCK))
+
+
+def _slots(poffs: Tensor):
+    p0 = 0
+    for p1 in poffs.tolist():
+        yield p0, p1
+        p0 = p1
 
 
 def _torch_rows(x: Tensor, src: Tensor, dest: Tensor, total: int) -> tuple[Tensor, Tensor]:
     return quantize_1x128(slot_rows(x, src, dest, total))
 
 
-def _torch_cols(x: Tensor, src: Tensor, dest: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    return quantize_1x128_t(slot_rows(x, src, dest, total))
+def _torch_cols(x: Tensor, src: Tensor, dest: Tensor, poffs: Tensor) -> tuple[Tensor, Tensor]:
+    xp = slot_rows(x, src, dest, int(poffs[-1]))
+    tiles = [quantize_1x128_t(xp[p0:p1]) for p0, p1 in _slots(poffs) if p1 > p0]
+    return (torch.cat([q.flatten() for q, _ in tiles]) if tiles else xp.new_empty(0, dtype=FP8_DTYPE),
+            torch.cat([s.flatten() for _, s in tiles]) if tiles else xp.new_empty(0, dtype=torch.float32))
 
 
-TORCH_QUANTISERS = Quantisers(rows=_torch_rows, cols=_torch_cols, blocks=quantize_128x128)
+def _torch_blocks_t(w: Tensor) -> tuple[Tensor, Tensor]:
+    """The blocks of w[e], transposed (a block's amax is the same set of values either way): the bf16 weights
+    are read once and only fp8 bytes are transposed."""
+    wq, ws = quantize_128x128(w)                                                 # [E, Kp, Np]
+    return wq.transpose(1, 2).contiguous(), ws.transpose(1, 2).contiguous()
+
+
+TORCH_QUANTISERS = Quantisers(rows=_torch_rows, cols=_torch_cols, blocks=quantize_128x128, blocks_t=_torch_blocks_t)
 
 
 def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
-    return torch.ops.glm52.fp8_blockwise_mm(a[0].contiguous(), a[1].contiguous(), b[0].contiguous(),
-                                            b[1].contiguous(), out_dtype)
-
-
-def _blocks_t(quant: Quantisers, w: Tensor) -> tuple[Tensor, Tensor]:
-    """128x128 blocks of every w[e].T: the blocks of w[e], transposed (a block's amax is the same set of
-    values either way), so the bf16 weights are read once and only fp8 bytes are transposed."""
-    wq, ws = quant.blocks(w)                                                     # [E, Kp, Np]
-    return wq.transpose(1, 2).contiguous(), ws.transpose(1, 2).contiguous()
+    return torch.ops.glm52.fp8_blockwise_mm(a[0], a[1], b[0], b[1], out_dtype)
 
 
 def _experts_with_rows(offs: Tensor, poffs: Tensor):
@@ -80,14 +98,15 @@ def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers 
     """y[g] = x[g] @ w[e]: x quantised into 128-row expert slots, one blockwise FP8 GEMM per expert."""
     _check(x, w, offs)
     R, N = x.shape[0], w.shape[2]
-    y = x.new_zeros((R, N))
     if R == 0 or w.shape[0] == 0:
-        return y
+        return x.new_zeros((R, N))
     src, dest, poffs = group_slots(offs, R, BLOCK)
     xq, xs = quant.rows(x, src, dest, int(poffs[-1]))                            # [Rp, Kp] in 128-row slots
-    wq, ws = _blocks_t(quant, w)                                                 # [E, Np, Kp] blocks of w[e].T
+    wq, ws = quant.blocks_t(w)                                                   # [E, Np, Kp] blocks of w[e].T
+    y = x.new_empty((R, N))
     for e, p0, p1, r0, r1 in _experts_with_rows(offs, poffs):
         y[r0:r1] = _mm((xq[p0:p1], xs[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :N]
+    y[int(offs[-1]):].zero_()                                                    # rows of no expert
     return y
 
 
@@ -97,19 +116,19 @@ def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
     along tokens, each expert's rows in 128-row slots so that no tile straddles two experts."""
     _check(x, w, offs)
     R, K = x.shape
-    dx, dw = torch.zeros_like(x), torch.zeros_like(w)
     if R == 0 or w.shape[0] == 0:
-        return dx, dw
+        return torch.zeros_like(x), torch.zeros_like(w)
+    dx, dw = torch.empty_like(x), torch.zeros_like(w)
+    dx[int(offs[-1]):].zero_()                                                   # rows of no expert
     src, dest, poffs = group_slots(offs, R, BLOCK)
-    total = int(poffs[-1])
-    dyq, dys = quant.rows(dy, src, dest, total)                                  # [Rp, Np]
+    dyq, dys = quant.rows(dy, src, dest, int(poffs[-1]))                         # [Rp, Np]
     wq, ws = quant.blocks(w)                                                     # [E, Kp, Np] blocks of w[e]
-    xt, xts = quant.cols(x, src, dest, total)                                    # [K, Rp], [K, Rp/128]
-    dyt, dyts = quant.cols(dy, src, dest, total)                                 # [N, Rp]
+    xt = quant.cols(x, src, dest, poffs)                                         # experts one after the other
+    dyt = quant.cols(dy, src, dest, poffs)
+    N = dy.shape[1]
     for e, p0, p1, r0, r1 in _experts_with_rows(offs, poffs):
         dx[r0:r1] = _mm((dyq[p0:p1], dys[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :K]
-        t0, t1 = p0 // BLOCK, p1 // BLOCK
-        dw[e] = _mm((xt[:, p0:p1], xts[:, t0:t1]), (dyt[:, p0:p1], dyts[:, t0:t1]), w.dtype)
+        dw[e] = _mm(expert_cols(*xt, K, p0, p1), expert_cols(*dyt, N, p0, p1), w.dtype)
     return dx, dw
 
 

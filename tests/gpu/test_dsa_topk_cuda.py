@@ -12,6 +12,10 @@ from glm52_model.ops.dsa_topk import _dsa_topk_kernel, ref_dsa_scores
 
 tl_ops = pytest.importorskip("glm52_model.ops.cuda.dsa_topk_tl", reason="TileLang not installed")
 SCORE_TOL = 1e-4  # relative to the row's score scale
+# The H200's FP8 tensor cores accumulate with about 14 mantissa bits (DeepSeek-V3 report, sec. 3.3.2), so e4m3
+# logits differ from their fp32 math by up to ~2^-14 of each head's sum of |q_d k_d|: near-ties are wider
+# (measured on the H200: at most 8.1e-4 of the row scale at S=2500, 3.9e-4 at S=700).
+FP8_SCORE_TOL = 2.0 ** -9
 
 
 def _inputs(S, H, D, packed=False, seed=0, Sk=None):
@@ -30,7 +34,7 @@ def _inputs(S, H, D, packed=False, seed=0, Sk=None):
     return q, k, w, starts, ends
 
 
-def _check_rows(ids, scores, topk, starts, ends):
+def _check_rows(ids, scores, topk, starts, ends, tol_rel=SCORE_TOL):
     """Kernel-independent checks: valid, unique, sorted, and a correct top-k set up to ties.
     Returns the number of rows whose set differs from the exact sorted reference set."""
     S = ids.shape[0]
@@ -47,7 +51,7 @@ def _check_rows(ids, scores, topk, starts, ends):
     assert bool((srt[:, 1:] != srt[:, :-1]).all()), "duplicate IDs in a row"
     sel = torch.gather(scores, 1, safe).masked_fill(ids < 0, float("-inf"))
     scale = scores.masked_fill(torch.isinf(scores), 0).abs().amax(1, keepdim=True).clamp_min(1e-6)
-    tol = SCORE_TOL * scale
+    tol = tol_rel * scale
     assert bool((sel[:, 1:] <= sel[:, :-1] + tol).all()), "IDs not sorted by descending score"
     # the smallest selected score is >= every unselected valid score (up to tol)
     chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, safe, ids >= 0)
@@ -124,10 +128,23 @@ def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed)
     ids = torch.ops.glm52.dsa_topk_indices(q8, k8, w8, starts, ends, topk, scale, k_scale=ks)
     assert ids.dtype == torch.int32 and ids.shape == (S, topk)
     scores = ref_dsa_scores(q8.float(), k8.float() * ks[:, None], w8, starts, ends, scale)
-    _check_rows(ids, scores, topk, starts, ends)
+    # the logits kernel itself: within FP8_SCORE_TOL of the fp32 math on the same e4m3 inputs
+    arch = tl_ops.cuda_target()["arch"]
+    lk = tl_ops.compile_indexer_logits(32, 128, arch, torch.float8_e4m3fn, block_Q=4, block_N=tl_ops.BLOCK_N)
+    Sp = -(-S // tl_ops.BLOCK_N) * tl_ops.BLOCK_N
+    pad = lambda t, n: torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])        # noqa: E731
+    logits = torch.full((S, Sp), float("-inf"), device="cuda")                  # tiles never computed stay -inf
+    lk(q8.view(S * 32, 128), pad(k8.view(torch.uint8), Sp).view(k8.dtype), pad(ks.float(), Sp),
+       (w8.float() * scale).contiguous(), starts, ends, logits)
+    row_scale = scores.masked_fill(torch.isinf(scores), 0).abs().amax(1, keepdim=True).clamp_min(1e-6)
+    fin = torch.isfinite(scores)
+    assert torch.equal(torch.isfinite(logits[:, :S]), fin), "masking differs"
+    err = float(((logits[:, :S] - scores).abs() / row_scale)[fin].max())
+    print(f"FP8 logits vs fp32 math on the e4m3 inputs: max error {err:.2e} of the row scale")
+    assert err <= FP8_SCORE_TOL
+    _check_rows(ids, scores, topk, starts, ends, FP8_SCORE_TOL)
     ref = _dsa_topk_kernel(q8, k8, w8, starts, ends, topk, scale, ks)        # PyTorch kernel, FP8 inputs
-    same_set = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).all(1)
-    assert float(same_set.float().mean()) >= 0.99, f"only {float(same_set.float().mean()):.4f} rows equal"
+    assert float(id_overlap(ids, ref).mean()) >= 0.99
     overlap = id_overlap(ids, torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, topk, scale))
     print(f"FP8 vs bf16 ID-set overlap at S={S}: mean {float(overlap.mean()):.4f}, min {float(overlap.min()):.4f}")
     assert float(overlap.mean()) >= 0.9

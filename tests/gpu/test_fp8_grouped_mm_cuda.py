@@ -54,8 +54,8 @@ def test_tilelang_quantisers_equal_the_torch_quantisers(cols):
     the experts' slot layout (row map with -1 rows) filled in the same pass."""
     from glm52_model.ops.cuda import fp8_quant_tl as tl
     from glm52_model.ops.fp8 import quantize_1x128, quantize_1x128_t, quantize_128x128
-    from glm52_model.ops.fp8_grouped_mm import TORCH_QUANTISERS
-    from glm52_model.ops.grouped_mm import group_slots
+    from glm52_model.ops.fp8_grouped_mm import TORCH_QUANTISERS, expert_cols
+    from glm52_model.ops.grouped_mm import group_slots, slot_rows
 
     torch.manual_seed(2)
     R = 1000
@@ -63,27 +63,31 @@ def test_tilelang_quantisers_equal_the_torch_quantisers(cols):
     offs = torch.tensor([100, 100, 700, 990], dtype=torch.int32, device="cuda")
     src, dest, poffs = group_slots(offs, R, 128)
     total = int(poffs[-1])
-    for kind in ("rows", "cols"):
-        got = getattr(tl, f"_{kind}")(x, src, dest, total)
-        want = getattr(TORCH_QUANTISERS, kind)(x, src, dest, total)
-        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape, kind
-        pad = torch.ones(total, dtype=torch.bool, device="cuda")
-        pad[dest] = False                                                       # slot padding: data 0
-        if kind == "rows":
-            assert torch.equal(got[1][~pad], want[1][~pad]), kind
-            assert bool((got[0].view(torch.uint8)[pad] == 0).all())
-        else:
-            assert torch.equal(got[1], want[1]), kind
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), kind
+    got, want = tl._rows(x, src, dest, total), TORCH_QUANTISERS.rows(x, src, dest, total)
+    assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    pad = torch.ones(total, dtype=torch.bool, device="cuda")
+    pad[dest] = False                                                           # slot padding: data 0
+    assert torch.equal(got[1][~pad], want[1][~pad])
+    assert bool((got[0].view(torch.uint8)[pad] == 0).all())
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    got, want = tl._cols(x, src, dest, poffs), TORCH_QUANTISERS.cols(x, src, dest, poffs)   # slot after slot
+    assert got[0].shape == want[0].shape and torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert poffs.tolist() == [128, 128, 768, 1152]
+    for p0, p1 in ((0, 128), (128, 768), (768, 1152)):                          # each expert's operand in place
+        q, s = expert_cols(*got, cols, p0, p1)
+        assert q.is_contiguous() and s.is_contiguous()
+        q2, s2 = quantize_1x128_t(slot_rows(x, src, dest, total)[p0:p1])
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     q, s = tl.quant_rows(x, tl.row_map(torch.arange(R, device="cuda"), torch.arange(R, device="cuda"), R, 32), R)
     q2, s2 = quantize_1x128(x)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
-    qt, st = tl.quant_cols(x, tl.row_map(torch.arange(R, device="cuda"), torch.arange(R, device="cuda"), 1024, 128))
-    qt2, st2 = quantize_1x128_t(x)
-    assert torch.equal(qt.view(torch.uint8), qt2.view(torch.uint8)) and torch.equal(st, st2)
     w = torch.randn(3, 300, cols, device="cuda").bfloat16()
     qb, sb = tl.quant_blocks(w)
     qb2, sb2 = quantize_128x128(w)
+    assert torch.equal(sb, sb2) and torch.equal(qb.view(torch.uint8), qb2.view(torch.uint8))
+    qb, sb = tl.quant_blocks(w, transpose=True)                                 # the blocks of each w[b].T
+    qb2, sb2 = quantize_128x128(w.transpose(1, 2))
     assert torch.equal(sb, sb2) and torch.equal(qb.view(torch.uint8), qb2.view(torch.uint8))
 
 

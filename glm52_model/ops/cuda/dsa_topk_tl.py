@@ -51,12 +51,15 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     seq_q = T.dynamic("seq_q")
     seq_k = T.dynamic("seq_k")
     dtype, accum = in_dtype, T.float32
+    # the keys' FP8 scales multiply each tile's output, from shared memory; bf16 builds leave them out (the
+    # per-element global read of a ones vector cost the bf16 kernel 1.6x on the H200: 4.07 vs 2.57 ms at 16K)
+    scaled = in_dtype != T.bfloat16
 
     @T.prim_func
     def indexer_logits(
         Q: T.Tensor([seq_q * heads, dim], dtype),  # [Sq * H, D]
         K: T.Tensor([seq_k, dim], dtype),  # [Sk, D]
-        KS: T.Tensor([seq_k], accum),  # [Sk] key dequantisation scales (ones for bf16)
+        KS: T.Tensor([seq_k], accum),  # [Sk] key dequantisation scales (FP8 only; bf16 builds never read it)
         W: T.Tensor([seq_q, heads], accum),  # [Sq, H], scale (and q's FP8 scales) folded in
         Starts: T.Tensor([seq_q], T.int32),
         Ends: T.Tensor([seq_q], T.int32),
@@ -65,6 +68,8 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
         with T.Kernel(T.ceildiv(seq_q, block_Q), threads=threads) as bx:
             q_shared = T.alloc_shared([rows, dim], dtype)
             k_shared = T.alloc_shared([block_N, dim], dtype)
+            if scaled:
+                ks_shared = T.alloc_shared([block_N], accum)
             s = T.alloc_fragment([block_N, rows], accum)
             s3 = T.reshape(s, (block_N, block_Q, heads))
             logits = T.alloc_fragment([block_N, block_Q], accum)
@@ -87,15 +92,23 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             for t in T.Pipelined(n_tiles, num_stages=num_stages):
                 k0 = lo + t * block_N
                 T.copy(K[k0, 0], k_shared)
+                if scaled:
+                    T.copy(KS[k0], ks_shared)
                 T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
                 for n, i, h in T.Parallel(block_N, block_Q, heads):
                     s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
                 T.reduce_sum(s3, logits, dim=-1, clear=True)
-                for i, n in T.Parallel(block_Q, block_N):
-                    Logits[q0 + i, k0 + n] = T.if_then_else(
-                        (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]),
-                        logits[n, i] * KS[k0 + n], -T.infinity(accum))
+                if scaled:
+                    for i, n in T.Parallel(block_Q, block_N):
+                        Logits[q0 + i, k0 + n] = T.if_then_else(
+                            (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]),
+                            logits[n, i] * ks_shared[n], -T.infinity(accum))
+                else:
+                    for i, n in T.Parallel(block_Q, block_N):
+                        Logits[q0 + i, k0 + n] = T.if_then_else(
+                            (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]),
+                            logits[n, i], -T.infinity(accum))
 
     return indexer_logits
 
@@ -406,9 +419,10 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
                             target={"kind": "cuda", "arch": target_arch})
 
 
-# The select the op runs: 0 = the four-round kernel (measured on the H200); > 0 = the two-read kernel with
-# this many shared-memory candidates (built in CI, not yet run on a GPU: bench_kernels.py times both).
-SELECT_CANDIDATES = 0
+# The select the op runs: > 0 = the two-read kernel with this many shared-memory candidates; 0 = the four-round
+# kernel. H200 (bench_kernels.py, same logits): 16.6 vs 23.1 ms at 64K, 2.85 vs 2.93 ms at 16K; both pass
+# tests/gpu/test_dsa_topk_cuda.py, including rows whose threshold bin overflows into the fallback rounds.
+SELECT_CANDIDATES = 3072
 
 
 @functools.lru_cache(maxsize=None)

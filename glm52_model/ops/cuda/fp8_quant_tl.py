@@ -3,15 +3,17 @@
 The PyTorch quantisers of :mod:`glm52_model.ops.fp8` take ~6 passes over an fp32 copy of their input; on the
 bench layer's experts (131,072 rows x 6144 at 16K tokens) that cost 6x the FP8 GEMMs themselves (H200,
 ``bench_kernels.py``). These kernels read the bf16 input once and write the fp8 data and its scales once,
-with the same math (scale = max(amax, 1e-12) / 448, q = clamp(x / scale, +-448) cast to e4m3, IEEE
-division: TileLang builds without fast math):
+with the same math as PyTorch on CUDA, bit for bit: scale = max(amax, 1e-12) * fp32(1/448) (PyTorch's CUDA
+division by a Python scalar multiplies by the scalar's fp32 reciprocal), q = clamp(x / scale, +-448) cast to
+e4m3 (IEEE division: TileLang builds without fast math):
 
 1. ``quant_rows``: 1x128 tiles along a row -> q [Rp, Kp], scales [Rp, Kp/128]. A row map (int32, -1 for a
    zero row) says which input row each output row reads, so the experts' 128-row slots are filled in the
    same pass (no gather copy).
-2. ``quant_cols``: 1x128 tiles along the rows, written transposed -> q [C, Rp], scales [C, Rp/128] (the
-   weight-gradient operands), through the same row map.
-3. ``quant_blocks``: 128x128 blocks of a batch of matrices -> q [B, Np, Kp], scales [B, Np/128, Kp/128].
+2. ``quant_cols``: 1x128 tiles along the rows, written transposed and slot after slot (each expert's [C, slot
+   rows] operand contiguous, so the weight-gradient GEMMs read it in place), through the same row map.
+3. ``quant_blocks``: 128x128 blocks of a batch of matrices -> q [B, Np, Kp], scales [B, Np/128, Kp/128], or
+   the blocks of each matrix's transpose (the forward's w[e].T), written transposed through shared memory.
 
 ``ci_builds`` lists one build of each for CI (sm_90a, on the CPU).
 """
@@ -26,6 +28,7 @@ import tilelang.language as T
 from ._common import cuda_target, round_up
 
 FP8_MAX = 448.0
+INV_FP8_MAX = (torch.tensor(1.0) / torch.tensor(FP8_MAX)).item()   # the fp32 reciprocal, exact as a double
 EPS = 1e-12
 TILE = 128
 _DTYPES = {torch.bfloat16: T.bfloat16, torch.float32: T.float32, torch.float16: T.float16}
@@ -33,6 +36,10 @@ _DTYPES = {torch.bfloat16: T.bfloat16, torch.float32: T.float32, torch.float16: 
 
 def _quant(v, scale):
     return T.Cast(T.float8_e4m3fn, T.clamp(v / scale, -FP8_MAX, FP8_MAX))
+
+
+def _scale(amax):
+    return T.max(amax, EPS) * INV_FP8_MAX
 
 
 def build_quant_rows(cols: int, in_dtype=T.bfloat16, *, block_M: int = 32, threads: int = 128):
@@ -57,7 +64,7 @@ def build_quant_rows(cols: int, in_dtype=T.bfloat16, *, block_M: int = 32, threa
                 x[i, j] = T.if_then_else((src >= 0) & (c0 + j < cols), T.Cast(T.float32, X[src, c0 + j]), 0.0)
             T.reduce_absmax(x, amax, dim=1)
             for i in T.Parallel(block_M):
-                amax[i] = T.max(amax[i], EPS) / FP8_MAX
+                amax[i] = _scale(amax[i])
             for i, j in T.Parallel(block_M, TILE):
                 Q[r0 + i, c0 + j] = _quant(x[i, j], amax[i])
             for i in T.Parallel(block_M):
@@ -67,8 +74,10 @@ def build_quant_rows(cols: int, in_dtype=T.bfloat16, *, block_M: int = 32, threa
 
 
 def build_quant_cols(cols: int, in_dtype=T.bfloat16, *, block_C: int = 64, threads: int = 128):
-    """x [rows_in, cols] -> q [cols, rows_out] fp8 (tiles of 128 rows, transposed), s [cols, rows_out/128];
-    rows_out a multiple of 128."""
+    """x [rows_in, cols] -> 1x128 tiles along the rows, transposed, expert after expert: the 128-row tile ``t``
+    of slot [p0, p1) (TileBase[t] = p0 / 128, TileWidth[t] = (p1 - p0) / 128) goes to the slot's [cols, p1 - p0]
+    matrix, which starts at element cols * p0 of the flat q [cols * rows_out] (scales: cols * p0 / 128 of the
+    flat s). One slot over all rows is the plain transposed layout [cols, rows_out]."""
     rows_in = T.dynamic("rows_in")
     rows_out = T.dynamic("rows_out")
 
@@ -76,42 +85,52 @@ def build_quant_cols(cols: int, in_dtype=T.bfloat16, *, block_C: int = 64, threa
     def quant_cols(
         X: T.Tensor([rows_in, cols], in_dtype),
         RowMap: T.Tensor([rows_out], T.int32),
-        Q: T.Tensor([cols, rows_out], T.float8_e4m3fn),
-        S: T.Tensor([cols, rows_out // TILE], T.float32),
+        TileBase: T.Tensor([rows_out // TILE], T.int32),
+        TileWidth: T.Tensor([rows_out // TILE], T.int32),
+        Q: T.Tensor([cols * rows_out // TILE, TILE], T.float8_e4m3fn),
+        S: T.Tensor([cols * rows_out // TILE], T.float32),
     ):
-        with T.Kernel(T.ceildiv(cols, block_C), T.ceildiv(rows_out, TILE), threads=threads) as (bx, by):
-            xs = T.alloc_shared([TILE, block_C], T.float32)
-            xt = T.alloc_fragment([block_C, TILE], T.float32)
-            amax = T.alloc_fragment([block_C], T.float32)
-            c0, r0 = bx * block_C, by * TILE
+        with T.Kernel(T.ceildiv(cols, block_C), rows_out // TILE, threads=threads) as (bx, by):
+            xs = T.alloc_shared([TILE, block_C + 1], T.float32)     # +1: a column's reads hit 32 banks
+            scale = T.alloc_shared([block_C], T.float32)
+            m = T.alloc_var(T.float32)
+            tx = T.get_thread_binding()
+            c0 = bx * block_C
+            base, width = TileBase[by], TileWidth[by]
             for i, j in T.Parallel(TILE, block_C):                     # coalesced along the input's row
-                src = RowMap[r0 + i]
+                src = RowMap[by * TILE + i]
                 xs[i, j] = T.if_then_else((src >= 0) & (c0 + j < cols), T.Cast(T.float32, X[src, c0 + j]), 0.0)
-            for j, i in T.Parallel(block_C, TILE):
-                xt[j, i] = xs[i, j]
-            T.reduce_absmax(xt, amax, dim=1)
-            for j in T.Parallel(block_C):
-                amax[j] = T.max(amax[j], EPS) / FP8_MAX
+            T.sync_threads()
+            if tx < block_C:                                           # one column's amax per thread
+                m = 0.0
+                for i in T.serial(TILE):
+                    m = T.max(m, T.abs(xs[i, tx]))
+                scale[tx] = _scale(m)
+            T.sync_threads()
             for j, i in T.Parallel(block_C, TILE):                     # coalesced along the output's row
                 if c0 + j < cols:
-                    Q[c0 + j, r0 + i] = _quant(xt[j, i], amax[j])
+                    Q[base * cols + (c0 + j) * width + by - base, i] = _quant(xs[i, j], scale[j])
             for j in T.Parallel(block_C):
                 if c0 + j < cols:
-                    S[c0 + j, by] = amax[j]
+                    S[base * cols + (c0 + j) * width + by - base] = scale[j]
 
     return quant_cols
 
 
-def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, threads: int = 256):
-    """w [batch, rows, cols] -> q [batch, Np, Kp] fp8, s [batch, Np/128, Kp/128] (zero padded blocks)."""
+def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, transpose: bool = False, threads: int = 256):
+    """w [batch, rows, cols] -> 128x128 blocks of each w[b] (q [batch, Np, Kp], s [batch, Np/128, Kp/128]), or
+    with ``transpose`` the blocks of each w[b].T (q [batch, Kp, Np], s [batch, Kp/128, Np/128]): the same
+    scales, the bytes written transposed through shared memory. Padding blocks are zero."""
     np_, kp = round_up(rows, TILE), round_up(cols, TILE)
     batch = T.dynamic("batch")
+    q_shape, s_shape = ([batch, kp, np_], [batch, kp // TILE, np_ // TILE]) if transpose else \
+        ([batch, np_, kp], [batch, np_ // TILE, kp // TILE])
 
     @T.prim_func
     def quant_blocks(
         W: T.Tensor([batch, rows, cols], in_dtype),
-        Q: T.Tensor([batch, np_, kp], T.float8_e4m3fn),
-        S: T.Tensor([batch, np_ // TILE, kp // TILE], T.float32),
+        Q: T.Tensor(q_shape, T.float8_e4m3fn),
+        S: T.Tensor(s_shape, T.float32),
     ):
         with T.Kernel(kp // TILE, np_ // TILE, batch, threads=threads) as (bx, by, bz):
             x = T.alloc_fragment([TILE, TILE], T.float32)
@@ -126,11 +145,20 @@ def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, threads: in
             scale = 0.0
             for t in T.serial(TILE):
                 scale = T.max(scale, rs[t])
-            scale = T.max(scale, EPS) / FP8_MAX
-            for i, j in T.Parallel(TILE, TILE):
-                Q[bz, r0 + i, c0 + j] = _quant(x[i, j], scale)
-            if T.get_thread_binding() == 0:
-                S[bz, by, bx] = scale
+            scale = _scale(scale)
+            if transpose:
+                xs = T.alloc_shared([TILE, TILE + 1], T.float32)      # +1: a column's reads hit 32 banks
+                for i, j in T.Parallel(TILE, TILE):
+                    xs[i, j] = x[i, j]
+                for j, i in T.Parallel(TILE, TILE):
+                    Q[bz, c0 + j, r0 + i] = _quant(xs[i, j], scale)
+                if T.get_thread_binding() == 0:
+                    S[bz, bx, by] = scale
+            else:
+                for i, j in T.Parallel(TILE, TILE):
+                    Q[bz, r0 + i, c0 + j] = _quant(x[i, j], scale)
+                if T.get_thread_binding() == 0:
+                    S[bz, by, bx] = scale
 
     return quant_blocks
 
@@ -139,9 +167,9 @@ def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, threads: in
 # compile caches and CI builds
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, shape: tuple, dtype: torch.dtype, arch: str):
+def _compiled(kind: str, shape: tuple, dtype: torch.dtype, arch: str, **options):
     build = {"rows": build_quant_rows, "cols": build_quant_cols, "blocks": build_quant_blocks}[kind]
-    return tilelang.compile(build(*shape, _DTYPES[dtype]), target={"kind": "cuda", "arch": arch})
+    return tilelang.compile(build(*shape, _DTYPES[dtype], **options), target={"kind": "cuda", "arch": arch})
 
 
 def ci_builds(target_arch: str = "sm_90a") -> dict:
@@ -151,6 +179,8 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
         "fp8_quant_rows[k6144]": lambda: tilelang.compile(build_quant_rows(6144), target=target),
         "fp8_quant_cols[c2048]": lambda: tilelang.compile(build_quant_cols(2048), target=target),
         "fp8_quant_blocks[2048x6144]": lambda: tilelang.compile(build_quant_blocks(2048, 6144), target=target),
+        "fp8_quant_blocks_t[6144x2048]": lambda: tilelang.compile(build_quant_blocks(6144, 2048, transpose=True),
+                                                                   target=target),
     }
 
 
@@ -171,7 +201,7 @@ def row_map(src: torch.Tensor, dest: torch.Tensor, total: int, multiple: int = 1
 
 def _zero_tiles(q: torch.Tensor, s: torch.Tensor) -> None:
     q.view(torch.uint8).zero_()
-    s.fill_(EPS / FP8_MAX)
+    s.fill_(EPS).mul_(INV_FP8_MAX)                          # fp32 ops, as the kernels and PyTorch round
 
 
 def quant_rows(x: torch.Tensor, rmap: torch.Tensor, total: int, block_M: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,33 +219,47 @@ def quant_rows(x: torch.Tensor, rmap: torch.Tensor, total: int, block_M: int = 3
     return q[:total], s[:total]
 
 
-def quant_cols(x: torch.Tensor, rmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 tiles along the rows ``rmap`` (a multiple of 128 entries) of x, transposed: (q [C, len(rmap)],
-    s [C, len(rmap)/128])."""
+def slot_tiles(poffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each 128-row tile of the slots ending at ``poffs`` (int32 [E], multiples of 128): its slot's start and
+    width, in tiles (int32 [poffs[-1] / 128] each): the layout :func:`quant_cols` writes."""
+    ends = poffs.long() // TILE
+    tile = torch.arange(int(ends[-1]), device=poffs.device)
+    slot = torch.searchsorted(ends, tile, right=True)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return starts[slot].to(torch.int32), (ends - starts)[slot].to(torch.int32)
+
+
+def quant_cols(x: torch.Tensor, rmap: torch.Tensor, tile_base: torch.Tensor,
+               tile_width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles along the rows ``rmap`` (a multiple of 128 entries) of x, transposed, slot after slot
+    (:func:`slot_tiles`): flat (q [C * len(rmap)], s [C * len(rmap) / 128])."""
     x = x.contiguous()
     rows, cols = rmap.shape[0], x.shape[1]
-    q = torch.empty(cols, rows, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(cols, rows // TILE, dtype=torch.float32, device=x.device)
+    q = torch.empty(cols * rows // TILE, TILE, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(cols * rows // TILE, dtype=torch.float32, device=x.device)
     if rows and cols and x.shape[0]:
-        _compiled("cols", (cols,), x.dtype, cuda_target(x.device)["arch"])(x, rmap, q, s)
+        _compiled("cols", (cols,), x.dtype, cuda_target(x.device)["arch"])(x, rmap, tile_base, tile_width, q, s)
     elif rows and cols:
         _zero_tiles(q, s)
-    return q, s
+    return q.view(-1), s
 
 
-def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 blocks of each matrix of w [B, N, K]: (q [B, Np, Kp], s [B, Np/128, Kp/128])."""
+def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks of each matrix of w [B, N, K]: (q [B, Np, Kp], s [B, Np/128, Kp/128]); with ``transpose``
+    the blocks of each w[b].T: (q [B, Kp, Np], s [B, Kp/128, Np/128])."""
     w = w.contiguous()
     B, N, K = w.shape
-    q = torch.empty(B, round_up(N, TILE), round_up(K, TILE), dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty(B, q.shape[1] // TILE, q.shape[2] // TILE, dtype=torch.float32, device=w.device)
+    np_, kp = round_up(N, TILE), round_up(K, TILE)
+    shape = (B, kp, np_) if transpose else (B, np_, kp)
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(B, shape[1] // TILE, shape[2] // TILE, dtype=torch.float32, device=w.device)
     if B and N and K:
-        _compiled("blocks", (N, K), w.dtype, cuda_target(w.device)["arch"])(w, q, s)
+        _compiled("blocks", (N, K), w.dtype, cuda_target(w.device)["arch"], transpose=transpose)(w, q, s)
     return q, s
 
 
 __all__ = ["build_quant_rows", "build_quant_cols", "build_quant_blocks", "ci_builds", "takes", "row_map",
-           "quant_rows", "quant_cols", "quant_blocks", "register", "DENSE", "fp8_quantize_cuda"]
+           "quant_rows", "quant_cols", "quant_blocks", "slot_tiles", "register", "DENSE", "fp8_quantize_cuda"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,8 +269,12 @@ def _rows(x, src, dest, total):
     return quant_rows(x, row_map(src, dest, total, 32), total)
 
 
-def _cols(x, src, dest, total):
-    return quant_cols(x, row_map(src, dest, total, TILE))
+def _cols(x, src, dest, poffs):
+    return quant_cols(x, row_map(src, dest, int(poffs[-1]), TILE), *slot_tiles(poffs))
+
+
+def _blocks_t(w):
+    return quant_blocks(w, transpose=True)
 
 
 # Whether the dense FP8 linears' ``glm52::fp8_quantize`` runs these kernels on CUDA too. Off until they have
@@ -246,7 +294,10 @@ def fp8_quantize_cuda(x: torch.Tensor, tiles: str) -> tuple[torch.Tensor, torch.
     if tiles == "1x128":
         q, s = quant_rows(x, row_map(rows, rows, R, 32), R)
     elif tiles == "1x128_t":
-        q, s = quant_cols(x, row_map(rows, rows, round_up(R, TILE), TILE))
+        rp = round_up(R, TILE)
+        one_slot = torch.tensor([rp], dtype=torch.int32, device=x.device)
+        q, s = quant_cols(x, row_map(rows, rows, rp, TILE), *slot_tiles(one_slot))
+        q, s = q.view(x.shape[1], rp), s.view(x.shape[1], rp // TILE)
     else:
         q, s = quant_blocks(x[None])
         q, s = q[0], s[0]
@@ -256,7 +307,7 @@ def fp8_quantize_cuda(x: torch.Tensor, tiles: str) -> tuple[torch.Tensor, torch.
 def register() -> None:
     from ..fp8_grouped_mm import TORCH_QUANTISERS, Quantisers, fp8_grouped_mm_bwd_kernel, fp8_grouped_mm_kernel
 
-    tilelang_quantisers = Quantisers(rows=_rows, cols=_cols, blocks=quant_blocks)
+    tilelang_quantisers = Quantisers(rows=_rows, cols=_cols, blocks=quant_blocks, blocks_t=_blocks_t)
 
     def fp8_grouped_mm_cuda(x, w, offs):
         quant = tilelang_quantisers if takes(x) and takes(w) else TORCH_QUANTISERS
