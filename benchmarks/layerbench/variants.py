@@ -225,6 +225,35 @@ def _sacpass_four_round(layer, backend):
     return dataclasses.replace(built, fn=fn)
 
 
+# What the CUDA kernels were before issue 13's second H200 session (2026-12-01), patched per call
+PREVIOUS_KERNELS = (
+    ("glm52_model.ops.cuda.sparse_mla_tl", "FWD_KERNEL", "serial"),
+    ("glm52_model.ops.cuda.dsa_topk_tl", "LOGITS_TUNABLES",
+     {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True}),
+    ("glm52_model.ops.cuda.dsa_topk_tl", "LOGITS_BUDGET_BYTES", 1 << 30),
+    ("glm52_model.ops.cuda.dsa_topk_tl", "SELECT_CANDIDATES", 3072),
+    ("glm52_model.ops.cuda.dsa_topk_tl", "SELECT_THREADS", 1024),
+    ("glm52_model.ops.cuda.fp8_quant_tl", "DENSE", False),
+)
+
+
+@variant("sacpass_previous_kernels", color="tab:green", ls=":")
+def _sacpass_previous_kernels(layer, backend):
+    """sacpass on the kernels as they were before (serial sparse MLA forward, 128-key logits tiles with a
+    producer warpgroup, 1024-thread select, PyTorch quantisers for the dense FP8 linears)"""
+    import contextlib
+    import importlib
+
+    built = _sacpass_variant(layer, backend, "sacpass-previous-kernels")
+
+    def fn(*args):
+        with contextlib.ExitStack() as stack:
+            for module, name, value in PREVIOUS_KERNELS:
+                stack.enter_context(mock.patch.object(importlib.import_module(module), name, value))
+            return built.fn(*args)
+    return dataclasses.replace(built, fn=fn)
+
+
 def _fp8_kernels(layer: DecoderLayer, experts: bool, indexer: bool) -> DecoderLayer:
     """Switch this private copy's routed experts / indexer logits to FP8 (what ``GLM52Config(fp8_experts=...,
     fp8_indexer=...)`` builds): same weights, so the current kernels run beside them in one process."""

@@ -126,7 +126,9 @@ def quantize_indexer(q: Tensor, k: Tensor, weights: Tensor) -> tuple[Tensor, Ten
     per-(token, head) scale, k_scale [Sk]). One e4m3 scale per row of D (DeepSeek-V3.2's indexer: D = 128),
     amax-based as the FP8 linears' tiles (``glm52::fp8_quantize``)."""
     S, H, D = q.shape
-    torch._check(D == 128, lambda: f"quantize_indexer: one scale per 128-wide head row, got head dim {D}")
+    if D != 128:           # a plain raise: Dynamo on torch 2.11 graph-breaks on a torch._check message closure
+        raise ValueError(f"quantize_indexer: one FP8 scale per 128-wide head row, got head dim {D}; use "
+                         f"index_head_dim=128 or GLM52Config(fp8_indexer=False)")
     q8, qs = torch.ops.glm52.fp8_quantize(q.reshape(S * H, D), "1x128")      # [S*H, D], [S*H, 1]
     k8, ks = torch.ops.glm52.fp8_quantize(k, "1x128")                          # [Sk, D], [Sk, 1]
     return q8.view(S, H, D), k8, weights.float() * qs.view(S, H), ks.view(-1)

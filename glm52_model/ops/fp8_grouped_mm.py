@@ -14,11 +14,15 @@ tile-wise FP8 recipe (:mod:`glm52_model.ops.fp8`, DeepSeek-V3: e4m3, amax scales
     glm52::fp8_grouped_mm_bwd(Tensor dy, Tensor x, Tensor w, Tensor offs) -> (Tensor dx, Tensor dw)
 
 Quantisation happens inside the ops: their inputs and the tensors autograd keeps are ``grouped_mm``'s (x, w,
-offs), so swapping one op family for the other changes no saved set. The kernel quantises once and puts
-every expert's rows into 128-row slots (:func:`glm52_model.ops.grouped_mm.group_slots`), then runs one
-``glm52::fp8_blockwise_mm`` per expert with rows: on CUDA that is cuBLASLt's sm90 blockwise FP8 GEMM, on
-the CPU the dequantise-then-matmul reference. The quantisers are the kernel's argument (:class:`Quantisers`):
-PyTorch here, TileLang kernels on CUDA (``glm52_model.ops.cuda``). ``ref_fp8_grouped_mm`` is an independent fake-quant loop.
+offs), so swapping one op family for the other changes no saved set. Each op reads ``offs`` to the host once
+and reuses that list. The forward's rows are independent (1x128 tiles along K are per row), so it quantises x
+in its own row order and runs each expert's GEMM on the expert's rows, written straight into y
+(:func:`_expert_gemms`); the backward quantises once into 128-row expert slots
+(:func:`glm52_model.ops.grouped_mm.group_slots`), which the wgrad's tiles along tokens need, and runs its
+GEMMs per expert slot. The GEMMs are cuBLASLt's sm90 blockwise FP8 GEMM on CUDA (``torch._scaled_mm``, as in
+``glm52::fp8_blockwise_mm``), the dequantise-then-matmul reference on the CPU. The quantisers are the kernel's
+argument (:class:`Quantisers`): PyTorch here, TileLang kernels on CUDA (``glm52_model.ops.cuda``).
+``ref_fp8_grouped_mm`` is an independent fake-quant loop.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from torch import Tensor
 from .fp8 import BLOCK, FP8_DTYPE, dequantize, quantize_1x128, quantize_1x128_t, quantize_128x128
 from .grouped_mm import _check, group_slots, register_grouped_family, slot_rows
 
-__all__ = ["TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
+__all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
            "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
 
 
@@ -40,7 +44,8 @@ class Quantisers(NamedTuple):
     the experts' slots in the same pass, ``glm52_model.ops.cuda.fp8_quant_tl``)."""
 
     rows: Callable[[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]]   # (x, src, dest, total): 1x128 along K
-    cols: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (x, src, dest, poffs): see expert_cols
+    cols: Callable[[Tensor, Tensor, Tensor, Tensor, list], tuple[Tensor, Tensor]]  # (x, src, dest, poffs, host
+                                                                           # poffs): see expert_cols
     blocks: Callable[[Tensor], tuple[Tensor, Tensor]]                      # [E, N, K] -> 128x128 blocks of each w[e]
     blocks_t: Callable[[Tensor], tuple[Tensor, Tensor]]                    # [E, N, K] -> the blocks of each w[e].T
 
@@ -53,20 +58,13 @@ def expert_cols(q: Tensor, s: Tensor, cols: int, p0: int, p1: int) -> tuple[Tens
             s[cols * p0 // BLOCK:cols * p1 // BLOCK].view(cols, (p1 - p0) // BLOCK))
 
 
-def _slots(poffs: Tensor):
-    p0 = 0
-    for p1 in poffs.tolist():
-        yield p0, p1
-        p0 = p1
-
-
 def _torch_rows(x: Tensor, src: Tensor, dest: Tensor, total: int) -> tuple[Tensor, Tensor]:
     return quantize_1x128(slot_rows(x, src, dest, total))
 
 
-def _torch_cols(x: Tensor, src: Tensor, dest: Tensor, poffs: Tensor) -> tuple[Tensor, Tensor]:
-    xp = slot_rows(x, src, dest, int(poffs[-1]))
-    tiles = [quantize_1x128_t(xp[p0:p1]) for p0, p1 in _slots(poffs) if p1 > p0]
+def _torch_cols(x: Tensor, src: Tensor, dest: Tensor, poffs: Tensor, slot_ends: list[int]) -> tuple[Tensor, Tensor]:
+    xp = slot_rows(x, src, dest, slot_ends[-1])
+    tiles = [quantize_1x128_t(xp[p0:p1]) for p0, p1 in zip([0] + slot_ends[:-1], slot_ends) if p1 > p0]
     return (torch.cat([q.flatten() for q, _ in tiles]) if tiles else xp.new_empty(0, dtype=FP8_DTYPE),
             torch.cat([s.flatten() for _, s in tiles]) if tiles else xp.new_empty(0, dtype=torch.float32))
 
@@ -85,29 +83,78 @@ def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dty
     return torch.ops.glm52.fp8_blockwise_mm(a[0], a[1], b[0], b[1], out_dtype)
 
 
-def _experts_with_rows(offs: Tensor, poffs: Tensor):
-    """(e, slot [p0, p1), rows [r0, r1)) of every expert with rows (one host sync)."""
+def _experts_with_rows(ends: list[int], poffs: list[int]):
+    """(e, slot [p0, p1), rows [r0, r1)) of every expert with rows, from host lists."""
     p0 = r0 = 0
-    for e, (p1, r1) in enumerate(zip(*torch.stack([poffs, offs]).tolist())):
+    for e, (p1, r1) in enumerate(zip(poffs, ends)):
         if r1 > r0:
             yield e, p0, p1, r0, r1
         p0, r0 = p1, r1
 
 
+def _slot_ends(ends: list[int]) -> list[int]:
+    """The host copy of group_slots' ``poffs``: each group's end once every group is padded to 128 rows."""
+    poffs, p, r0 = [], 0, 0
+    for r1 in ends:
+        p += (r1 - r0 + BLOCK - 1) // BLOCK * BLOCK
+        poffs.append(p)
+        r0 = r1
+    return poffs
+
+
+# Rows per cuBLASLt GEMM in the forward: an expert's rows run as one GEMM over the largest multiple of
+# GEMM_ROWS rows, in place, plus one GEMM_ROWS-row GEMM for the rest (its extra rows are the next expert's or
+# zero padding: rows are independent, only the tail's own rows are kept). torch._scaled_mm checks no row count
+# for blockwise scales, but cuBLASLt does: on the H200 (torch 2.11, cu130) row counts that are multiples of 16
+# pass tests/gpu/test_fp8_grouped_mm_cuda.py, and any count (GEMM_ROWS = 1) fails with
+# CUBLAS_STATUS_NOT_SUPPORTED in its heuristic query.
+GEMM_ROWS = 16
+
+
+def _mm_into(out: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> None:
+    """out = dequant(a) @ dequant(b).T, b in 128x128 blocks; out [M, Np] is written in place on CUDA (cuBLASLt
+    writes y's rows, no copy), as ``glm52::fp8_blockwise_mm`` would compute it elsewhere."""
+    kb = a[0].shape[1] // BLOCK
+    if out.is_cuda and kb % 4 == 0:
+        # _fp8_blockwise_mm_cuda's layout: mat2 = b.T (column-major), scale_a [M, K/128] stored as [K/128, M],
+        # scale_b [K/128, N/128] stored as [N/128, K/128]. K/128 % 4 != 0 needs its padding: the op below.
+        torch._scaled_mm(a[0], b[0].t(), scale_a=a[1].t().contiguous().t(), scale_b=b[1].contiguous().t(),
+                         out_dtype=out.dtype, out=out)
+    else:
+        out.copy_(_mm(a, b, out.dtype))
+
+
+def _expert_gemms(y: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], r0: int, r1: int) -> None:
+    """y[r0:r1] = rows [r0, r1) of a times b: one GEMM over a multiple of GEMM_ROWS rows written in place,
+    then the tail through a GEMM_ROWS-row GEMM (a has GEMM_ROWS - 1 rows past the last expert's)."""
+    body = r0 + (r1 - r0) // GEMM_ROWS * GEMM_ROWS
+    if body > r0:
+        _mm_into(y[r0:body], (a[0][r0:body], a[1][r0:body]), b)
+    if r1 > body:
+        tail = (a[0][body:body + GEMM_ROWS], a[1][body:body + GEMM_ROWS])
+        y[body:r1] = _mm(tail, b, y.dtype)[:r1 - body]
+
+
 def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS) -> Tensor:
-    """y[g] = x[g] @ w[e]: x quantised into 128-row expert slots, one blockwise FP8 GEMM per expert."""
+    """y[g] = x[g] @ w[e]: x quantised in its own row order, one blockwise FP8 GEMM per expert on its rows."""
     _check(x, w, offs)
     R, N = x.shape[0], w.shape[2]
     if R == 0 or w.shape[0] == 0:
         return x.new_zeros((R, N))
-    src, dest, poffs = group_slots(offs, R, BLOCK)
-    xq, xs = quant.rows(x, src, dest, int(poffs[-1]))                            # [Rp, Kp] in 128-row slots
-    wq, ws = quant.blocks_t(w)                                                   # [E, Np, Kp] blocks of w[e].T
-    y = x.new_empty((R, N))
-    for e, p0, p1, r0, r1 in _experts_with_rows(offs, poffs):
-        y[r0:r1] = _mm((xq[p0:p1], xs[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :N]
-    y[int(offs[-1]):].zero_()                                                    # rows of no expert
-    return y
+    ends = offs.tolist()                                                         # the op's one host sync
+    end, Np = ends[-1], (N + BLOCK - 1) // BLOCK * BLOCK
+    y = x.new_empty((R, Np))                                                     # the GEMMs' width: in place
+    y[end:].zero_()                                                              # rows of no expert
+    if end:
+        rows = torch.arange(end, device=x.device)
+        xq, xs = quant.rows(x, rows, rows, end + GEMM_ROWS - 1)                  # [end + pad, Kp], zero pad rows
+        wq, ws = quant.blocks_t(w)                                               # [E, Np, Kp] blocks of w[e].T
+        r0 = 0
+        for e, r1 in enumerate(ends):
+            if r1 > r0:
+                _expert_gemms(y, (xq, xs), (wq[e], ws[e]), r0, r1)
+            r0 = r1
+    return y if Np == N else y[:, :N].contiguous()                               # N % 128: the op's [R, N]
 
 
 def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
@@ -118,15 +165,17 @@ def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
     R, K = x.shape
     if R == 0 or w.shape[0] == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
+    ends = offs.tolist()                                                         # the op's one host sync
+    slot_ends = _slot_ends(ends)                                                 # poffs on the host
     dx, dw = torch.empty_like(x), torch.zeros_like(w)
-    dx[int(offs[-1]):].zero_()                                                   # rows of no expert
+    dx[ends[-1]:].zero_()                                                        # rows of no expert
     src, dest, poffs = group_slots(offs, R, BLOCK)
-    dyq, dys = quant.rows(dy, src, dest, int(poffs[-1]))                         # [Rp, Np]
+    dyq, dys = quant.rows(dy, src, dest, slot_ends[-1])                          # [Rp, Np]
     wq, ws = quant.blocks(w)                                                     # [E, Kp, Np] blocks of w[e]
-    xt = quant.cols(x, src, dest, poffs)                                         # experts one after the other
-    dyt = quant.cols(dy, src, dest, poffs)
+    xt = quant.cols(x, src, dest, poffs, slot_ends)                          # experts one after the other
+    dyt = quant.cols(dy, src, dest, poffs, slot_ends)
     N = dy.shape[1]
-    for e, p0, p1, r0, r1 in _experts_with_rows(offs, poffs):
+    for e, p0, p1, r0, r1 in _experts_with_rows(ends, slot_ends):
         dx[r0:r1] = _mm((dyq[p0:p1], dys[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :K]
         dw[e] = _mm(expert_cols(*xt, K, p0, p1), expert_cols(*dyt, N, p0, p1), w.dtype)
     return dx, dw

@@ -130,7 +130,7 @@ def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed)
     scores = ref_dsa_scores(q8.float(), k8.float() * ks[:, None], w8, starts, ends, scale)
     # the logits kernel itself: within FP8_SCORE_TOL of the fp32 math on the same e4m3 inputs
     arch = tl_ops.cuda_target()["arch"]
-    lk = tl_ops.compile_indexer_logits(32, 128, arch, torch.float8_e4m3fn, block_Q=4, block_N=tl_ops.BLOCK_N)
+    lk = tl_ops.logits_kernel(32, 128, torch.float8_e4m3fn, arch)                # the op's tiles
     Sp = -(-S // tl_ops.BLOCK_N) * tl_ops.BLOCK_N
     pad = lambda t, n: torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])        # noqa: E731
     logits = torch.full((S, Sp), float("-inf"), device="cuda")                  # tiles never computed stay -inf

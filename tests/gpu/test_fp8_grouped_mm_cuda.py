@@ -1,6 +1,7 @@
 """glm52::fp8_grouped_mm on CUDA: the cuBLASLt blockwise GEMMs per expert match the CPU fake-quant kernel
 (only bf16 output rounding and accumulation order differ), and FP8 vs bf16 stays within the dense FP8
-linears' error, forward and both gradients, with uneven and empty groups."""
+linears' error, forward and both gradients, with uneven and empty groups; the forward's in-place per-expert
+GEMMs and their tails element by element against the fake-quant reference."""
 import pytest
 import torch
 
@@ -48,6 +49,30 @@ def test_cuda_fp8_vs_bf16_grads():
     assert_similar(w.grad.float(), w32.grad, min_cos=0.998, max_rel=0.06, what="dw")
 
 
+@pytest.mark.parametrize("gemm_rows", [128, 16])
+@pytest.mark.parametrize("K,N", [(512, 384), (1024, 200)])
+def test_cuda_forward_rows_in_place_uneven_groups(gemm_rows, K, N, monkeypatch):
+    """The forward's GEMMs on each expert's rows, written into y in place (K/128 % 4 == 0: torch._scaled_mm
+    with out=), with a padded tail GEMM per expert at GEMM_ROWS 128 and 16 (cuBLASLt refused arbitrary row
+    counts, GEMM_ROWS 1, on the H200): uneven groups, an empty expert, 1-row experts, rows of no expert,
+    N % 128 != 0.
+    Against the fake-quant reference on the same bf16 inputs, element by element (bf16 output rounding and
+    accumulation order only: a misplaced row or a wrong tail row is off by O(1))."""
+    from glm52_model.ops import fp8_grouped_mm as fgm
+
+    monkeypatch.setattr(fgm, "GEMM_ROWS", gemm_rows)
+    torch.manual_seed(4)
+    R = 1200
+    offs = torch.tensor([0, 1, 131, 131, 260, 261, 1000, 1100], dtype=torch.int32, device="cuda")
+    x = torch.randn(R, K, device="cuda").bfloat16()
+    w = (torch.randn(len(offs), K, N, device="cuda") * K ** -0.5).bfloat16()
+    y = OP(x, w, offs)
+    ref = fgm.ref_fp8_grouped_mm(x.float(), w.float(), offs)
+    assert y.shape == (R, N) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -6, atol=1e-3 * ref.abs().max().item())
+    assert bool((y[1100:] == 0).all())
+
+
 @pytest.mark.parametrize("cols", [6144, 200])
 def test_tilelang_quantisers_equal_the_torch_quantisers(cols):
     """The single-pass kernels compute what glm52_model.ops.fp8 computes: same scales, same fp8 bytes, with
@@ -70,7 +95,8 @@ def test_tilelang_quantisers_equal_the_torch_quantisers(cols):
     assert torch.equal(got[1][~pad], want[1][~pad])
     assert bool((got[0].view(torch.uint8)[pad] == 0).all())
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-    got, want = tl._cols(x, src, dest, poffs), TORCH_QUANTISERS.cols(x, src, dest, poffs)   # slot after slot
+    slot_ends = poffs.tolist()
+    got, want = tl._cols(x, src, dest, poffs, slot_ends), TORCH_QUANTISERS.cols(x, src, dest, poffs, slot_ends)
     assert got[0].shape == want[0].shape and torch.equal(got[1], want[1])
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert poffs.tolist() == [128, 128, 768, 1152]

@@ -115,7 +115,7 @@ def test_fp8_inputs_are_checked():
         OP(q8, k8, w8, starts, ends, 4, 1.0)
     with pytest.raises(RuntimeError, match=r"k_scale must be float32 \[Sk=16\]"):
         OP(q8, k8, w8, starts, ends, 4, 1.0, k_scale=ks[:8])
-    with pytest.raises(RuntimeError, match="head dim 32"):
+    with pytest.raises(ValueError, match="got head dim 32; use index_head_dim=128"):
         dsa_topk.quantize_indexer(*_inputs(S=8, H=2, D=32)[:3])
     # fake vs real (opcheck's other utils multiply inputs, which float8 has no CPU kernel for)
     torch.library.opcheck(OP, (q8, k8, w8, starts, ends, 4, 1.0), {"k_scale": ks}, test_utils="test_faketensor")

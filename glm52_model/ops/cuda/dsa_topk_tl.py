@@ -43,7 +43,10 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     be a multiple of block_Q, Sk of block_N.
 
     Tunables: block_Q queries per CTA (block_Q * heads rows form the GEMM's N side), block_N keys per
-    tile, pipeline depth, threads.
+    tile, pipeline depth, threads. Whether TileLang splits producer and consumer warps is a pass config
+    (:func:`compile_indexer_logits`). The logits are stored from the registers that reduced them: a version
+    staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
+    logits there, so it was dropped.
     """
     if block_Q is None:
         block_Q = max(1, 128 // heads)
@@ -100,15 +103,12 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
                     s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
                 T.reduce_sum(s3, logits, dim=-1, clear=True)
                 if scaled:
-                    for i, n in T.Parallel(block_Q, block_N):
-                        Logits[q0 + i, k0 + n] = T.if_then_else(
-                            (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]),
-                            logits[n, i] * ks_shared[n], -T.infinity(accum))
-                else:
-                    for i, n in T.Parallel(block_Q, block_N):
-                        Logits[q0 + i, k0 + n] = T.if_then_else(
-                            (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]),
-                            logits[n, i], -T.infinity(accum))
+                    for n, i in T.Parallel(block_N, block_Q):
+                        logits[n, i] = logits[n, i] * ks_shared[n]
+                for i, n in T.Parallel(block_Q, block_N):
+                    Logits[q0 + i, k0 + n] = T.if_then_else(
+                        (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
+                        -T.infinity(accum))
 
     return indexer_logits
 
@@ -414,15 +414,37 @@ _IN_DTYPES = {torch.bfloat16: T.bfloat16, torch.float8_e4m3fn: T.float8_e4m3fn}
 
 @functools.lru_cache(maxsize=None)
 def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in_dtype=torch.bfloat16,
-                           **tunables):
+                           warp_specialized: bool = True, **tunables):
+    """``warp_specialized=False`` keeps every warp on the math (no producer warpgroup), so that smaller CTAs
+    fit several to an SM and one CTA's epilogue overlaps another's MMAs."""
+    configs = {} if warp_specialized else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+                                           tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
     return tilelang.compile(build_indexer_logits(heads, dim, _IN_DTYPES[in_dtype], **tunables),
-                            target={"kind": "cuda", "arch": target_arch})
+                            target={"kind": "cuda", "arch": target_arch}, pass_configs=configs)
+
+
+# The logits kernel's tile choice, read per call (a benchmark times others beside it). block_N must divide
+# BLOCK_N, the keys' padding. H200, S=32K, logits kernel alone (bench_kernels.py --logits-sweep): one
+# warpgroup per CTA with 64-key tiles and no producer warps, so several CTAs share an SM and one's epilogue
+# runs under another's MMAs: 8.76 ms bf16 / 6.01 ms FP8, against 10.04 / 11.00 for the 128-key tiles with a
+# producer warpgroup (the two math warpgroups then wait for their MMAs together, and FP8 gained nothing).
+LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False}
+
+
+def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str):
+    """The logits kernel the op runs: ``block_Q * heads = 128`` GEMM rows, :data:`LOGITS_TUNABLES`."""
+    tunables = {"block_Q": max(1, 128 // heads)} | LOGITS_TUNABLES
+    assert BLOCK_N % tunables["block_N"] == 0, "LOGITS_TUNABLES: block_N must divide BLOCK_N"
+    return compile_indexer_logits(heads, dim, target_arch, in_dtype, **tunables)
 
 
 # The select the op runs: > 0 = the two-read kernel with this many shared-memory candidates; 0 = the four-round
-# kernel. H200 (bench_kernels.py, same logits): 16.6 vs 23.1 ms at 64K, 2.85 vs 2.93 ms at 16K; both pass
-# tests/gpu/test_dsa_topk_cuda.py, including rows whose threshold bin overflows into the fallback rounds.
-SELECT_CANDIDATES = 3072
+# kernel. H200 (bench_kernels.py --logits-sweep, same logits), ms at 32K / 64K: four rounds, 1024 threads 7.35 /
+# 22.9; two reads, 1024 threads, 3072 candidates 6.47 / 16.6; 512 threads, 2048 candidates 5.51 / 14.5 (less
+# shared memory: more rows' CTAs per SM). All pass tests/gpu/test_dsa_topk_cuda.py, including rows whose
+# threshold bin overflows into the fallback rounds.
+SELECT_CANDIDATES = 2048
+SELECT_THREADS = 512  # threads per row's CTA (a power of two dividing 4096 for the two-read select)
 
 
 @functools.lru_cache(maxsize=None)
@@ -435,16 +457,17 @@ def compile_topk_select(topk: int, target_arch: str = "sm_90a", **tunables):
 def ci_builds(target_arch: str = "sm_90a") -> dict:
     """name -> thunk building (not running) one kernel of this family for `target_arch` (CI)."""
     return {
-        "indexer_logits[h32,d128]": lambda: tilelang.compile(
-            build_indexer_logits(32, 128, block_N=BLOCK_N), target={"kind": "cuda", "arch": target_arch}),
-        "indexer_logits_fp8[h32,d128]": lambda: tilelang.compile(
-            build_indexer_logits(32, 128, T.float8_e4m3fn, block_N=BLOCK_N),
-            target={"kind": "cuda", "arch": target_arch}),
+        # the op's tiles (LOGITS_TUNABLES), uncached: CI builds every time
+        "indexer_logits[h32,d128]": lambda: compile_indexer_logits.__wrapped__(
+            32, 128, target_arch, torch.bfloat16, **({"block_Q": 4} | LOGITS_TUNABLES)),
+        "indexer_logits_fp8[h32,d128]": lambda: compile_indexer_logits.__wrapped__(
+            32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
         "topk_select[k2048]": lambda: tilelang.compile(
             build_topk_select(2048), target={"kind": "cuda", "arch": target_arch},
             pass_configs=_SELECT_PASS_CONFIGS),
-        "topk_select_two_reads[k2048,c3072]": lambda: tilelang.compile(
-            build_topk_select(2048, candidates=3072), target={"kind": "cuda", "arch": target_arch},
+        "topk_select_two_reads[k2048]": lambda: tilelang.compile(       # the op's select
+            build_topk_select(2048, candidates=SELECT_CANDIDATES, threads=SELECT_THREADS),
+            target={"kind": "cuda", "arch": target_arch},
             pass_configs=_SELECT_PASS_CONFIGS),
     }
 
@@ -452,7 +475,9 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
 # --------------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------------
-LOGITS_BUDGET_BYTES = 1 << 30  # fp32 scores materialised per query chunk
+# fp32 scores materialised per query chunk. 2 GiB: 8K queries a chunk at 64K keys, 4K at 128K, so each logits
+# launch has thousands of one-warpgroup CTAs (with 1 GiB, 128K ran 64 chunks of 512 CTAs: an SM-wave tail each)
+LOGITS_BUDGET_BYTES = 2 << 30
 BLOCK_N = 128
 
 
@@ -476,8 +501,8 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         return out
     arch = cuda_target(dev)["arch"]
     block_Q = max(1, 128 // H)
-    logits_k = compile_indexer_logits(H, D, arch, q.dtype, block_Q=block_Q, block_N=BLOCK_N)
-    select_k = compile_topk_select(topk, arch, candidates=SELECT_CANDIDATES)
+    logits_k = logits_kernel(H, D, q.dtype, arch)
+    select_k = compile_topk_select(topk, arch, candidates=SELECT_CANDIDATES, threads=SELECT_THREADS)
 
     q = q.contiguous()
     Skp = round_up(max(Sk, 1), BLOCK_N)
