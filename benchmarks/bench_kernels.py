@@ -88,7 +88,7 @@ def bench_topk(S, topk, reps, reference=True):
             lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
     # split: logits kernel alone (one chunk covers S here)
     H, D = 32, 128
-    lk = tl.compile_indexer_logits(H, D, tl.cuda_target()["arch"], block_Q=4, block_N=tl.BLOCK_N)
+    lk = tl.logits_kernel(H, D, torch.bfloat16, tl.cuda_target()["arch"])
     sk = tl.compile_topk_select(topk, tl.cuda_target()["arch"])
     logits = torch.empty(S, S, dtype=torch.float32, device="cuda")
     wq = (w * scale).contiguous()
@@ -100,7 +100,8 @@ def bench_topk(S, topk, reps, reference=True):
     if reference:
         row["torch_topk_on_logits_ms"] = cuda_time_ms(lambda: torch.topk(logits, topk, dim=1), reps=reps)
     # the two-read select (12-bit first round, threshold bin in shared memory) on the same logits
-    sk2 = tl.compile_topk_select(topk, tl.cuda_target()["arch"], candidates=3072)
+    sk2 = tl.compile_topk_select(topk, tl.cuda_target()["arch"], candidates=tl.SELECT_CANDIDATES,
+                                 threads=tl.SELECT_THREADS)
     out2 = torch.empty_like(out)
     row["select_two_reads_ms"] = cuda_time_ms(lambda: sk2(logits, starts, ends, out2), reps=reps)
     sk(logits, starts, ends, out)
@@ -120,8 +121,7 @@ def bench_topk(S, topk, reps, reference=True):
                                  reps=reps)
     row["fp8_with_quantisation_ms"] = cuda_time_ms(lambda: _fp8_call(tl, q, k, w, starts, ends, topk, scale),
                                                    reps=reps)
-    lk8 = tl.compile_indexer_logits(H, D, tl.cuda_target()["arch"], torch.float8_e4m3fn, block_Q=4,
-                                    block_N=tl.BLOCK_N)
+    lk8 = tl.logits_kernel(H, D, torch.float8_e4m3fn, tl.cuda_target()["arch"])
     row["fp8_logits_kernel_ms"] = cuda_time_ms(lambda: lk8(q8.view(S * H, D), k8, ks, w8 * scale, starts, ends,
                                                            logits), reps=reps)
     ids8 = tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
@@ -131,6 +131,103 @@ def bench_topk(S, topk, reps, reference=True):
     row["fp8_speedup"] = row["tilelang_ms"] / row["fp8_ms"]
     del logits
     return row, ids
+
+
+# Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
+# overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
+# (ReLU, head weights, the 32-head sum, the masked store) runs under the other's MMAs.
+LOGITS_SWEEP = {
+    "default": {},                                                               # LOGITS_TUNABLES as they are
+    "ws_n128_t256": {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True},  # until 2026-12
+    "ws_n64_t128": {"block_N": 64, "num_stages": 2, "threads": 128, "warp_specialized": True},
+    "ws_q8_n64": {"block_Q": 8, "block_N": 64, "num_stages": 2, "threads": 256, "warp_specialized": True},
+    "n64_t128_s0": {"block_N": 64, "threads": 128, "num_stages": 0, "warp_specialized": False},
+    "q8_n64_t256_s1": {"block_Q": 8, "block_N": 64, "threads": 256, "num_stages": 1, "warp_specialized": False},
+    "q2_n64_t128_s1": {"block_Q": 2, "block_N": 64, "threads": 128, "num_stages": 1, "warp_specialized": False},
+    "n128_t256_s1": {"block_N": 128, "threads": 256, "num_stages": 1, "warp_specialized": False},
+}
+
+
+def sweep_logits(S, reps, names=None):
+    """The logits kernel alone, bf16 and FP8, for each LOGITS_SWEEP entry: ms, TFLOP/s (causal: S^2/2 pairs
+    x 32 heads x 128 x 2), and the largest difference from the default tiles' logits relative to the row
+    scale (the tiles change only the order of the head sum)."""
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    H, D = 32, 128
+    q, k, w, starts, ends = topk_inputs(S)
+    scale = 128 ** -0.5
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    ones = torch.ones(S, dtype=torch.float32, device="cuda")
+    inputs = {"bf16": (q.view(S * H, D), k, ones, (w * scale).contiguous()),
+              "fp8": (q8.view(S * H, D), k8, ks.float(), (w8.float() * scale).contiguous())}
+    flop = S * S / 2 * H * D * 2
+    arch = tl.cuda_target()["arch"]
+    base = {"block_Q": 4} | tl.LOGITS_TUNABLES
+    want = {dt: torch.empty(S, S, dtype=torch.float32, device="cuda") for dt in inputs}
+    got = torch.empty(S, S, dtype=torch.float32, device="cuda")
+    rows = []
+    for name, over in LOGITS_SWEEP.items():
+        if names and name not in names:
+            continue
+        for dt, (qq, kk, kss, ww) in inputs.items():
+            row = {"S": S, "config": name, "dtype": dt, **over}
+            try:
+                t0 = time.time()
+                lk = tl.compile_indexer_logits(H, D, arch, qq.dtype, **(base | over))
+                row["compile_s"] = round(time.time() - t0, 1)
+                out = want[dt] if name == "default" else got
+                lk(qq, kk, kss, ww, starts, ends, out)
+                row["ms"] = cuda_time_ms(lambda: lk(qq, kk, kss, ww, starts, ends, out), reps=reps)
+                row["tflops"] = flop / row["ms"] / 1e9
+                # only [starts, ends) is defined: tiles past a block's last key are never written
+                keys = torch.arange(S, device="cuda")
+                valid = (keys >= starts[:, None]) & (keys < ends[:, None])
+                assert bool(torch.isfinite(out)[valid].all()), "a valid key's logit is not finite"
+                fin = valid
+                rs = want[dt].masked_fill(~fin, 0).abs().amax(1, keepdim=True).clamp_min(1e-6)
+                row["max_rel_diff"] = float(((out - want[dt]).abs() / rs).masked_fill(~fin, 0).max())
+            except Exception as e:                                               # a tile choice that fails
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    # the select's CTA size and candidate buffer, on the default bf16 logits
+    topk = 2048
+    ref_ids = torch.empty(S, topk, dtype=torch.int32, device="cuda")
+    ids = torch.empty_like(ref_ids)
+    tl.compile_topk_select(topk, arch, candidates=3072, threads=1024)(want["bf16"], starts, ends, ref_ids)
+    ref_sorted = torch.sort(ref_ids, 1).values
+    for threads, cand in SELECT_SWEEP:
+        row = {"S": S, "config": f"select_t{threads}_c{cand}", "threads": threads, "candidates": cand}
+        try:
+            sk = tl.compile_topk_select(topk, arch, candidates=cand, threads=threads)
+            row["ms"] = cuda_time_ms(lambda: sk(want["bf16"], starts, ends, ids), reps=reps)
+            row["same_set_rows"] = float((torch.sort(ids, 1).values == ref_sorted).all(1).float().mean())
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    del want, got
+    return rows
+
+
+SELECT_SWEEP = ((1024, 3072), (512, 3072), (256, 3072), (1024, 0), (512, 0), (512, 2048), (1024, 4096))
+
+
+def bench_topk_op(S, topk, reps):
+    """The op alone as the model calls it (chunked logits, then the select), bf16 and FP8 inputs."""
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    q, k, w, starts, ends = topk_inputs(S)
+    scale = 128 ** -0.5
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    row = {"S": S, "topk": topk, "logits_tunables": tl.LOGITS_TUNABLES, "select_threads": tl.SELECT_THREADS,
+           "select_candidates": tl.SELECT_CANDIDATES, "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
+    row["bf16_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
+    row["fp8_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
+                                 reps=reps)
+    overlap = id_overlap(tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
+                         tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale))
+    row["fp8_id_overlap_mean"], row["fp8_id_overlap_min"] = float(overlap.mean()), float(overlap.min())
+    return row
 
 
 def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
@@ -180,6 +277,41 @@ def bench_mla(S, H, idx, reps, with_reference):
     row["bwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
     row["fwd_tflops"] = fwd_flop / row["fwd_ms"] / 1e9
     row["bwd_tflops"] = bwd_flop / row["bwd_ms"] / 1e9
+    if tl.padded_heads(H) == 64:  # the warp-specialised forward beside the one FWD_KERNEL picks
+        with mock.patch.object(tl, "FWD_KERNEL", "pipelined"):
+            out_p, _ = tl.sparse_mla_tl(q, kv, idx, scale, 512)
+            row["fwd_pipelined_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
+        row["fwd_pipelined_tflops"] = fwd_flop / row["fwd_pipelined_ms"] / 1e9
+        row["fwd_pipelined_max_abs_diff"] = float((out_p.float() - out.float()).abs().max())
+        # the warp-specialised backward (BWD_KERNEL = "pipelined") beside the serial one; a failure (it
+        # has not run on a GPU before) is recorded in the row instead of aborting the benchmark
+        try:
+            with mock.patch.object(tl, "BWD_KERNEL", "serial"):
+                dq_s, dkv_s = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
+            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"):
+                dq_p, dkv_p = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
+                row["bwd_pipelined_ms"] = cuda_time_ms(
+                    lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+            row["bwd_pipelined_tflops"] = bwd_flop / row["bwd_pipelined_ms"] / 1e9
+            # ablation: the pipelined backward without its (scalar, from registers) dkv atomics
+            no_scatter = functools.partial(tl.compile_sparse_mla_bwd_ws, dkv_atomics=False)
+            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
+                    mock.patch.object(tl, "compile_sparse_mla_bwd_ws", no_scatter):
+                row["bwd_pipelined_no_dkv_scatter_ms"] = cuda_time_ms(
+                    lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+            # tuning: 64-column pieces of Q / dO / KV (fewer register spills at build time, more GEMM waits)
+            chunk64 = functools.partial(tl.compile_sparse_mla_bwd_ws, chunk=64)
+            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
+                    mock.patch.object(tl, "compile_sparse_mla_bwd_ws", chunk64):
+                row["bwd_pipelined_chunk64_ms"] = cuda_time_ms(
+                    lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+            row["bwd_pipelined_dq_max_abs_diff"] = float((dq_p.float() - dq_s.float()).abs().max())
+            row["bwd_pipelined_dkv_max_abs_diff"] = float((dkv_p.float() - dkv_s.float()).abs().max())
+            row["bwd_pipelined_dq_max_abs_serial"] = float(dq_s.float().abs().max())
+            row["bwd_pipelined_dkv_max_abs_serial"] = float(dkv_s.float().abs().max())
+            del dq_s, dkv_s, dq_p, dkv_p
+        except Exception as e:  # noqa: BLE001
+            row["bwd_pipelined_error"] = f"{type(e).__name__}: {e}"[:500]
     # profile: what the kernels move. Every query gathers topk latent rows (576 bf16) in fwd and bwd; the
     # bwd also scatters topk x 576 fp32 dkv partial sums with vector atomics. Ablation: bwd without them.
     gathered = S * topk * 576 * 2
@@ -236,6 +368,12 @@ def bench_experts(S, reps, E=8, top_k=8, hidden=6144, width=2048):
             for a, b in ((xq, wq), (xq, wq), (hq, woq)):
                 G.fp8_blockwise_mm(a[0][sl], a[1][sl], b[0][e], b[1][e], torch.bfloat16)
     row["fp8_gemms_only_fwd_ms"] = cuda_time_ms(gemms, reps=reps)
+    # uneven groups (no expert's rows a multiple of 128): the forward's tail GEMMs at GEMM_ROWS (16) and 128
+    from glm52_model.ops import fp8_grouped_mm as fgm
+    uneven = offs - torch.arange(E, 0, -1, device="cuda", dtype=torch.int32) * 37
+    row["fp8_fwd_uneven_ms"] = cuda_time_ms(lambda: G.fp8_grouped_mm(x, w_in, uneven), reps=reps)
+    with mock.patch.object(fgm, "GEMM_ROWS", 128):
+        row["fp8_fwd_uneven_gemm_rows_128_ms"] = cuda_time_ms(lambda: G.fp8_grouped_mm(x, w_in, uneven), reps=reps)
     row["fp8_fwd_profile"] = kernel_profile(fwd(G.fp8_grouped_mm))
     row["fp8_bwd_profile"] = kernel_profile(bwd(G.fp8_grouped_mm_bwd))
     row["fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_fwd_ms"]
@@ -255,6 +393,9 @@ def main(argv=None):
     p.add_argument("--reference-max-seq", type=int, default=65536,
                    help="longer top-k rows skip the PyTorch reference kernel and torch.topk (seconds per call)")
     p.add_argument("--mla-reference", action="store_true", help="also time the PyTorch sparse MLA kernels")
+    p.add_argument("--topk-op-seq", default="", help="lengths at which to time the top-k op alone (bf16, FP8)")
+    p.add_argument("--logits-sweep", default="", help="sequence lengths for the logits kernel's tile sweep")
+    p.add_argument("--logits-configs", default="", help="LOGITS_SWEEP names to run (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -262,10 +403,15 @@ def main(argv=None):
     import tilelang
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "tilelang": tilelang.__version__, "python": platform.python_version(),
-              "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": []}
+              "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": [], "logits_sweep": [], "topk_op": []}
     t0 = time.time()
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
+    for S in ints(args.topk_op_seq):
+        result["topk_op"].append(bench_topk_op(S, args.topk, args.reps))
+        print(json.dumps(result["topk_op"][-1]), flush=True)
+    for S in ints(args.logits_sweep):
+        result["logits_sweep"] += sweep_logits(S, args.reps, [n for n in args.logits_configs.split(",") if n])
     for S in ints(args.experts_seq):
         row = bench_experts(S, args.reps)
         print(json.dumps(row), flush=True)

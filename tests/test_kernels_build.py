@@ -1,8 +1,9 @@
 """Every TileLang kernel lowers and builds for the H200 (sm_90a) on a machine without a GPU.
 
 Needs TileLang (the `cuda` extra) and nvcc; skipped with a message otherwise. Nothing is launched.
-One build per kernel builder (9), TileLang's disk cache off so that nvcc really runs: 10-15 s each
-(about 110 s in all on a 2-core machine, serially; a process pool is used where there are >= 3 cores).
+One build per entry of each family's ``ci_builds`` (the op's own tile choices, and each kernel variant a
+benchmark can switch to), TileLang's disk cache off so that nvcc really runs: 10-15 s each (about 2 minutes
+in all on a 2-core machine, serially; a process pool is used where there are >= 3 cores).
 """
 import concurrent.futures as cf
 import multiprocessing as mp

@@ -62,3 +62,84 @@ def test_sparse_mla_cuda_matches_pytorch_kernel_small_topk_not_multiple_of_block
     assert dq.dtype == q.dtype and dkv.dtype == kv.dtype
     assert_similar(dq.float(), rdq.float(), min_cos=0.9999, max_rel=1e-2, what="dq")
     assert_similar(dkv.float(), rdkv.float(), min_cos=0.9999, max_rel=1e-2, what="dkv")
+
+
+@pytest.mark.parametrize("S,Sk,topk,H", [(192, 640, 128, 64), (256, 4096, 2048, 64), (96, 300, 100, 48)])
+def test_sparse_mla_pipelined_forward_vs_reference_and_serial(S, Sk, topk, H):
+    """The warp-specialised forward (FWD_KERNEL = "pipelined"; 64 padded heads) against the dense reference
+    and the serial kernel: masked slots, a row with no valid slot, rows whose only valid slot is the last or
+    the first (the running max starts from the -2^30 floor), topk a multiple of 2 * block_I or padded up."""
+    from unittest import mock
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+    q, kv, idx = _inputs(S, Sk, H, topk, seed=2)
+    idx[1, :-1] = -1
+    idx[1, -1] = Sk - 1
+    idx[2, 1:] = -1
+    idx[2, 0] = 0
+    scale = 576 ** -0.5
+    with mock.patch.object(tl, "FWD_KERNEL", "pipelined"), \
+            mock.patch.object(tl, "compile_sparse_mla_fwd_ws", wraps=tl.compile_sparse_mla_fwd_ws) as ws:
+        out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
+        assert ws.called, "the pipelined forward was not used"
+    with mock.patch.object(tl, "FWD_KERNEL", "serial"):
+        out_s, lse_s = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
+    assert out.dtype == torch.bfloat16 and out.shape == (S, H, 512) and lse.shape == (S, H)
+    ref_out, ref_lse = ref_sparse_mla(q.float(), kv.float(), idx, scale, 512)
+    assert bool(torch.isinf(lse[0]).all()) and bool((out[0] == 0).all())
+    assert bool(torch.isfinite(lse[1:]).all()) and bool(torch.isfinite(out.float()).all())
+    assert_similar(out[1:].float(), ref_out[1:].float(), min_cos=0.9999, max_rel=1e-2, what="out")
+    torch.testing.assert_close(lse[1:], ref_lse[1:].float(), atol=1e-3, rtol=0)
+    for r in (1, 2):  # one valid slot: out is that latent row's values, lse its scaled score
+        assert_similar(out[r].float(), ref_out[r].float(), min_cos=0.9999, max_rel=1e-2, what=f"out[{r}]")
+    assert_similar(out[1:].float(), out_s[1:].float(), min_cos=0.9999, max_rel=1e-2, what="out vs serial")
+    torch.testing.assert_close(lse[1:], lse_s[1:], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("S,Sk,topk,H", [(192, 640, 128, 64), (256, 4096, 2048, 64), (96, 300, 100, 48)])
+def test_sparse_mla_pipelined_backward_vs_reference_and_serial(S, Sk, topk, H):
+    """The warp-specialised backward (BWD_KERNEL = "pipelined"; 64 padded heads) against the dense
+    reference's autograd and the serial kernel: masked slots, a row with no valid slot (dq = 0), rows whose
+    only valid slot is the last or the first, duplicate-free indices, H = 64 and a padded head count (48),
+    topk a multiple of 2 * block_I or padded up (100)."""
+    from unittest import mock
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+    q, kv, idx = _inputs(S, Sk, H, topk, seed=3)
+    idx[1, :-1] = -1
+    idx[1, -1] = Sk - 1
+    idx[2, 1:] = -1
+    idx[2, 0] = 0
+    scale = 576 ** -0.5
+    out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
+    dout = torch.randn_like(out)
+    with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
+            mock.patch.object(tl, "compile_sparse_mla_bwd_ws", wraps=tl.compile_sparse_mla_bwd_ws) as ws:
+        dq, dkv = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+        assert ws.called, "the pipelined backward was not used"
+    with mock.patch.object(tl, "BWD_KERNEL", "serial"), \
+            mock.patch.object(tl, "compile_sparse_mla_bwd_ws", wraps=tl.compile_sparse_mla_bwd_ws) as ws:
+        dq_s, dkv_s = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+        assert not ws.called
+    assert dq.dtype == q.dtype and dq.shape == q.shape and dkv.dtype == kv.dtype and dkv.shape == kv.shape
+    assert bool(torch.isfinite(dq.float()).all()) and bool(torch.isfinite(dkv.float()).all())
+    assert bool((dq[0] == 0).all()), "a row with no valid slot must get dq = 0"
+    qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
+    ref_out, _ = ref_sparse_mla(qr, kvr, idx, scale, 512)
+    ref_out.float().backward(dout.float())
+    assert_similar(dq.float(), qr.grad, min_cos=0.9999, max_rel=1e-2, what="dq")
+    assert_similar(dkv.float(), kvr.grad, min_cos=0.9999, max_rel=1e-2, what="dkv")
+    for r in (1, 2):  # one valid slot: P = 1 and dP = delta, so dS and that row's dq are 0 up to rounding
+        assert float(dq[r].float().abs().max()) <= 1e-3 * float(dq.float().abs().max()), f"dq[{r}]"
+    assert_similar(dq.float(), dq_s.float(), min_cos=0.9999, max_rel=1e-2, what="dq vs serial")
+    assert_similar(dkv.float(), dkv_s.float(), min_cos=0.9999, max_rel=1e-2, what="dkv vs serial")
+    untouched = torch.ones(Sk, dtype=torch.bool, device=idx.device)
+    untouched[idx[idx >= 0].long()] = False           # latent rows no query selected: dkv exactly 0
+    assert bool((dkv[untouched] == 0).all()) and bool((dkv_s[untouched] == 0).all())
+
+
+def test_sparse_mla_bwd_kernel_constant_rejects_unknown_value():
+    from unittest import mock
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+    q, kv, idx = _inputs(8, 64, 64, 64)
+    out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, 0.05, 512)
+    with mock.patch.object(tl, "BWD_KERNEL", "bogus"), pytest.raises(ValueError, match="BWD_KERNEL"):
+        tl.sparse_mla_bwd_tl(q, kv, out, torch.randn_like(out), idx, lse, 0.05, 512)

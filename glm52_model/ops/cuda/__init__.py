@@ -2,12 +2,13 @@
 
 Importing this package registers, when TileLang imports:
 
-- ``glm52::dsa_topk_indices``: fused indexer logits + radix top-k (:mod:`.dsa_topk_tl`);
-- ``glm52::sparse_mla`` / ``glm52::sparse_mla_bwd``: sparse MLA forward / backward (:mod:`.sparse_mla_tl`);
+- ``glm52::dsa_topk_indices``: masked indexer logits (bf16 or e4m3) + radix top-k select (:mod:`.dsa_topk_tl`);
+- ``glm52::sparse_mla`` / ``glm52::sparse_mla_bwd``: sparse MLA forward (warp-specialised at 64 heads) /
+  backward (:mod:`.sparse_mla_tl`);
 - ``glm52::fp8_grouped_mm`` / ``glm52::fp8_grouped_mm_bwd``: the same cuBLASLt GEMMs as without TileLang, with
   the FP8 quantisation (and the experts' 128-row slots) in single-pass kernels (:mod:`.fp8_quant_tl`);
-- ``glm52::fp8_quantize`` (the dense FP8 linears): the same kernels when ``fp8_quant_tl.DENSE`` is set, else
-  the PyTorch quantisers (the default until the kernels have run on the H200).
+- ``glm52::fp8_quantize`` (the dense FP8 linears): the same kernels while ``fp8_quant_tl.DENSE`` is set (the
+  default; bit-exact with the PyTorch quantisers on the H200), else the PyTorch quantisers.
 
 Without TileLang these ops run their PyTorch reference kernels on CUDA too, each warning once
 (:func:`._common.reference_fallback`). With TileLang, inputs the kernels do not take (dtypes other than
