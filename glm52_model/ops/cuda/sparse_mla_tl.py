@@ -53,6 +53,32 @@ def padded_heads(heads: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------------
+def online_softmax_macro(scale2: float):
+    """The forward kernels' online-softmax step for one slot block, in base 2 (``scale2`` = sm_scale * log2 e):
+    the running max ``m`` and sum ``l_sum`` take the block's scores ``acc_s`` [heads, slots], which become the
+    block's unnormalised probabilities, and the output accumulator ``acc_o`` [heads, cols] is rescaled by
+    ``alpha``. One definition for the serial and the warp-specialised forward."""
+
+    @T.macro
+    def online_softmax(acc_s, acc_o, m, m_prev, alpha, l_sum, l_blk):
+        rows, slots = acc_s.shape
+        cols = acc_o.shape[1]
+        T.copy(m, m_prev)
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        for h in T.Parallel(rows):
+            m[h] = T.max(m[h], m_prev[h])
+            alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
+        for h, i in T.Parallel(rows, slots):
+            acc_s[h, i] = T.exp2(acc_s[h, i] * scale2 - m[h] * scale2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(rows):
+            l_sum[h] = l_sum[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(rows, cols):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+    return online_softmax
+
+
 def build_sparse_mla_fwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int = 576,
                          dim_v: int = 512, block_I: int = 64, num_stages: int = 2,
                          threads: int = 256):
@@ -63,6 +89,7 @@ def build_sparse_mla_fwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
     NHB = heads // HB
     NI = topk // block_I
     scale2 = sm_scale * LOG2E
+    online_softmax = online_softmax_macro(scale2)
     seq = T.dynamic("seq")
     seq_kv = T.dynamic("seq_kv")
     dtype, accum = T.bfloat16, T.float32
@@ -109,18 +136,7 @@ def build_sparse_mla_fwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
                     acc_s[h, i] = T.if_then_else(valid[i], 0, -T.infinity(accum))
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(m, m_prev)
-                T.reduce_max(acc_s, m, dim=1, clear=False)
-                for h in T.Parallel(HB):
-                    m[h] = T.max(m[h], m_prev[h])
-                    alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
-                for h, i in T.Parallel(HB, block_I):
-                    acc_s[h, i] = T.exp2(acc_s[h, i] * scale2 - m[h] * scale2)
-                T.reduce_sum(acc_s, l_blk, dim=1)
-                for h in T.Parallel(HB):
-                    l_sum[h] = l_sum[h] * alpha[h] + l_blk[h]
-                for h, d in T.Parallel(HB, D):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                online_softmax(acc_s, acc_o, m, m_prev, alpha, l_sum, l_blk)
                 T.copy(acc_s, p_s)
                 T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
@@ -165,6 +181,7 @@ def build_sparse_mla_fwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
     DH = D // 2                          # value columns per consumer warpgroup
     NI = topk // block_I
     scale2 = sm_scale * LOG2E
+    online_softmax = online_softmax_macro(scale2)
     seq = T.dynamic("seq")
     seq_kv = T.dynamic("seq_kv")
     dtype, accum = T.bfloat16, T.float32
@@ -196,18 +213,7 @@ def build_sparse_mla_fwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
         T.gemm(q_r, kv_r, acc_s, transpose_B=True, annotations={"wg_wait": -1})
         T.gemm(qt_s, kt, acc_s, transpose_B=True, annotations={"wg_wait": -1})
         T.wait_wgmma(0)
-        T.copy(m, m_prev)
-        T.reduce_max(acc_s, m, dim=1, clear=False)
-        for h in T.Parallel(HB):
-            m[h] = T.max(m[h], m_prev[h])
-            alpha[h] = T.exp2((m_prev[h] - m[h]) * scale2)
-        for h, i in T.Parallel(HB, block_I):
-            acc_s[h, i] = T.exp2(acc_s[h, i] * scale2 - m[h] * scale2)
-        T.reduce_sum(acc_s, l_blk, dim=1)
-        for h in T.Parallel(HB):
-            l_sum[h] = l_sum[h] * alpha[h] + l_blk[h]
-        for h, d in T.Parallel(HB, DH):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        online_softmax(acc_s, acc_o, m, m_prev, alpha, l_sum, l_blk)
         T.barrier_wait(p_free, (it & 1) ^ 1)          # warpgroup 1 is done with P of block it - 1
         T.copy(alpha, alpha_s)
         T.copy(acc_s, p_s)
