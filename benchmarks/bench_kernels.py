@@ -75,14 +75,28 @@ def topk_inputs(S, H=32, D=128, seed=0):
     return q, k, w, starts, ends
 
 
-def bench_topk(S, topk, reps, reference=True):
+def bench_topk(S, topk, reps, reference=True, parts=True):
+    """The op as the model calls it (chunked logits, then the select), bf16 and FP8 inputs; with ``parts``
+    also its kernels alone, the four-round select beside the op's, and (``reference``) the PyTorch kernel."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
     q, k, w, starts, ends = topk_inputs(S)
     scale = 128 ** -0.5
-    row = {"S": S, "heads": 32, "dim": 128, "topk": topk}
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    row = {"S": S, "heads": 32, "dim": 128, "topk": topk, "logits_tunables": tl.LOGITS_TUNABLES,
+           "select_candidates": tl.SELECT_CANDIDATES, "select_threads": tl.SELECT_THREADS,
+           "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
     row["tilelang_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale),
                                       reps=reps)
-    row["select_candidates"] = tl.SELECT_CANDIDATES
+    # FP8 logits (e4m3 q and k, one scale per head row and per key): same op, same select kernel
+    row["fp8_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
+                                 reps=reps)
+    row["fp8_speedup"] = row["tilelang_ms"] / row["fp8_ms"]
+    ids = tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale)
+    overlap = id_overlap(tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), ids)
+    row["fp8_id_overlap_mean"] = float(overlap.mean())
+    row["fp8_id_overlap_min"] = float(overlap.min())
+    if not parts:
+        return row, ids
     with mock.patch.object(tl, "SELECT_CANDIDATES", 0):                          # the four-round select, side by side
         row["tilelang_four_round_ms"] = cuda_time_ms(
             lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
@@ -99,7 +113,7 @@ def bench_topk(S, topk, reps, reference=True):
     row["select_kernel_ms"] = cuda_time_ms(lambda: sk(logits, starts, ends, out), reps=reps)
     if reference:
         row["torch_topk_on_logits_ms"] = cuda_time_ms(lambda: torch.topk(logits, topk, dim=1), reps=reps)
-    # the two-read select (12-bit first round, threshold bin in shared memory) on the same logits
+    # the op's two-read select (12-bit first round, threshold bin in shared memory) on the same logits
     sk2 = tl.compile_topk_select(topk, tl.cuda_target()["arch"], candidates=tl.SELECT_CANDIDATES,
                                  threads=tl.SELECT_THREADS)
     out2 = torch.empty_like(out)
@@ -107,7 +121,6 @@ def bench_topk(S, topk, reps, reference=True):
     sk(logits, starts, ends, out)
     row["select_two_reads_same_set_rows"] = float(
         (torch.sort(out, 1).values == torch.sort(out2, 1).values).all(1).float().mean())
-    ids = tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale)
     if reference:
         row["reference_ms"] = cuda_time_ms(lambda: _dsa_topk_kernel(q, k, w, starts, ends, topk, scale),
                                            warmup=1, reps=max(3, reps // 3))
@@ -115,20 +128,11 @@ def bench_topk(S, topk, reps, reference=True):
         ref = _dsa_topk_kernel(q, k, w, starts, ends, topk, scale)
         same = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).all(1)
         row["rows_with_identical_id_set"] = float(same.float().mean())
-    # FP8 logits (e4m3 q and k, one scale per head row and per key): same op, same select kernel
-    q8, k8, w8, ks = quantize_indexer(q, k, w)
-    row["fp8_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
-                                 reps=reps)
     row["fp8_with_quantisation_ms"] = cuda_time_ms(lambda: _fp8_call(tl, q, k, w, starts, ends, topk, scale),
                                                    reps=reps)
     lk8 = tl.logits_kernel(H, D, torch.float8_e4m3fn, tl.cuda_target()["arch"])
     row["fp8_logits_kernel_ms"] = cuda_time_ms(lambda: lk8(q8.view(S * H, D), k8, ks, w8 * scale, starts, ends,
                                                            logits), reps=reps)
-    ids8 = tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
-    overlap = id_overlap(ids8, ids)
-    row["fp8_id_overlap_mean"] = float(overlap.mean())
-    row["fp8_id_overlap_min"] = float(overlap.min())
-    row["fp8_speedup"] = row["tilelang_ms"] / row["fp8_ms"]
     del logits
     return row, ids
 
@@ -211,23 +215,6 @@ def sweep_logits(S, reps, names=None):
 
 
 SELECT_SWEEP = ((1024, 3072), (512, 3072), (256, 3072), (1024, 0), (512, 0), (512, 2048), (1024, 4096))
-
-
-def bench_topk_op(S, topk, reps):
-    """The op alone as the model calls it (chunked logits, then the select), bf16 and FP8 inputs."""
-    from glm52_model.ops.cuda import dsa_topk_tl as tl
-    q, k, w, starts, ends = topk_inputs(S)
-    scale = 128 ** -0.5
-    q8, k8, w8, ks = quantize_indexer(q, k, w)
-    row = {"S": S, "topk": topk, "logits_tunables": tl.LOGITS_TUNABLES, "select_threads": tl.SELECT_THREADS,
-           "select_candidates": tl.SELECT_CANDIDATES, "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
-    row["bf16_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
-    row["fp8_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
-                                 reps=reps)
-    overlap = id_overlap(tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
-                         tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale))
-    row["fp8_id_overlap_mean"], row["fp8_id_overlap_min"] = float(overlap.mean()), float(overlap.min())
-    return row
 
 
 def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
@@ -393,7 +380,7 @@ def main(argv=None):
     p.add_argument("--reference-max-seq", type=int, default=65536,
                    help="longer top-k rows skip the PyTorch reference kernel and torch.topk (seconds per call)")
     p.add_argument("--mla-reference", action="store_true", help="also time the PyTorch sparse MLA kernels")
-    p.add_argument("--topk-op-seq", default="", help="lengths at which to time the top-k op alone (bf16, FP8)")
+    p.add_argument("--topk-op-seq", default="", help="lengths at which to time only the top-k op (bf16, FP8; rows in 'topk')")
     p.add_argument("--logits-sweep", default="", help="sequence lengths for the logits kernel's tile sweep")
     p.add_argument("--logits-configs", default="", help="LOGITS_SWEEP names to run (default: all)")
     p.add_argument("--out", default=None)
@@ -403,13 +390,14 @@ def main(argv=None):
     import tilelang
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "tilelang": tilelang.__version__, "python": platform.python_version(),
-              "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": [], "logits_sweep": [], "topk_op": []}
+              "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": [], "logits_sweep": []}
     t0 = time.time()
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
     for S in ints(args.topk_op_seq):
-        result["topk_op"].append(bench_topk_op(S, args.topk, args.reps))
-        print(json.dumps(result["topk_op"][-1]), flush=True)
+        row, _ = bench_topk(S, args.topk, args.reps, parts=False)
+        print(json.dumps(row), flush=True)
+        result["topk"].append(row)
     for S in ints(args.logits_sweep):
         result["logits_sweep"] += sweep_logits(S, args.reps, [n for n in args.logits_configs.split(",") if n])
     for S in ints(args.experts_seq):
@@ -423,7 +411,7 @@ def main(argv=None):
         if S == args.mla_seq:
             ids16 = ids
     if ids16 is None and ints(args.mla_heads):
-        _, ids16 = bench_topk(args.mla_seq, args.topk, 1)
+        _, ids16 = bench_topk(args.mla_seq, args.topk, 1, parts=False)
     for H in ints(args.mla_heads):
         row = bench_mla(args.mla_seq, H, ids16, args.reps, args.mla_reference and H == 16)
         print(json.dumps(row), flush=True)

@@ -212,46 +212,45 @@ def _sacpass_no_discrete(layer, backend):
 
 
 # ------------------------------------------------------------------ issue 13: the FP8 kernels, side by side
-@variant("sacpass_four_round", color="tab:green", ls="--")
-def _sacpass_four_round(layer, backend):
-    """sacpass with the top-k select the CUDA kernels had before the two-read select (dsa_topk_tl.SELECT_CANDIDATES = 0)"""
-    built = _sacpass_variant(layer, backend, "sacpass-four-round")
+def _with_kernel_settings(built: Built, settings) -> Built:
+    """``built`` with CUDA kernel module constants ((module, name, value), read by the kernels per call)
+    patched around each call, so other kernel choices run beside the defaults in one process."""
+    import contextlib
+    import importlib
 
     def fn(*args):
-        from glm52_model.ops.cuda import dsa_topk_tl                 # the select is picked per call, at run time
-
-        with mock.patch.object(dsa_topk_tl, "SELECT_CANDIDATES", 0):
+        with contextlib.ExitStack() as stack:
+            for module, name, value in settings:
+                stack.enter_context(mock.patch.object(importlib.import_module(module), name, value))
             return built.fn(*args)
     return dataclasses.replace(built, fn=fn)
 
 
-# What the CUDA kernels were before issue 13's second H200 session (2026-12-01), patched per call
+_TOPK = "glm52_model.ops.cuda.dsa_topk_tl"
+FOUR_ROUND_SELECT = ((_TOPK, "SELECT_CANDIDATES", 0), (_TOPK, "SELECT_THREADS", 1024))
+# What the CUDA kernels were before issue 13's second H200 session (2026-12-01)
 PREVIOUS_KERNELS = (
     ("glm52_model.ops.cuda.sparse_mla_tl", "FWD_KERNEL", "serial"),
-    ("glm52_model.ops.cuda.dsa_topk_tl", "LOGITS_TUNABLES",
-     {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True}),
-    ("glm52_model.ops.cuda.dsa_topk_tl", "LOGITS_BUDGET_BYTES", 1 << 30),
-    ("glm52_model.ops.cuda.dsa_topk_tl", "SELECT_CANDIDATES", 3072),
-    ("glm52_model.ops.cuda.dsa_topk_tl", "SELECT_THREADS", 1024),
+    (_TOPK, "LOGITS_TUNABLES", {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True}),
+    (_TOPK, "LOGITS_BUDGET_BYTES", 1 << 30),
+    (_TOPK, "SELECT_CANDIDATES", 3072),
+    (_TOPK, "SELECT_THREADS", 1024),
     ("glm52_model.ops.cuda.fp8_quant_tl", "DENSE", False),
 )
+
+
+@variant("sacpass_four_round", color="tab:green", ls="--")
+def _sacpass_four_round(layer, backend):
+    """sacpass with the top-k select the CUDA kernels had before the two-read select (four radix rounds
+    on the row, 1024 threads)"""
+    return _with_kernel_settings(_sacpass_variant(layer, backend, "sacpass-four-round"), FOUR_ROUND_SELECT)
 
 
 @variant("sacpass_previous_kernels", color="tab:green", ls=":")
 def _sacpass_previous_kernels(layer, backend):
     """sacpass on the kernels as they were before (serial sparse MLA forward, 128-key logits tiles with a
     producer warpgroup, 1024-thread select, PyTorch quantisers for the dense FP8 linears)"""
-    import contextlib
-    import importlib
-
-    built = _sacpass_variant(layer, backend, "sacpass-previous-kernels")
-
-    def fn(*args):
-        with contextlib.ExitStack() as stack:
-            for module, name, value in PREVIOUS_KERNELS:
-                stack.enter_context(mock.patch.object(importlib.import_module(module), name, value))
-            return built.fn(*args)
-    return dataclasses.replace(built, fn=fn)
+    return _with_kernel_settings(_sacpass_variant(layer, backend, "sacpass-previous-kernels"), PREVIOUS_KERNELS)
 
 
 def _fp8_kernels(layer: DecoderLayer, experts: bool, indexer: bool) -> DecoderLayer:

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["FP8_DTYPE", "BLOCK", "quantize_1x128", "quantize_1x128_t", "quantize_128x128", "dequantize",
-           "fp8_quantize", "fp8_blockwise_mm", "fp8_linear", "ref_fp8_linear"]
+           "fp8_quantize", "fp8_blockwise_mm", "blockwise_scaled_mm", "fp8_linear", "ref_fp8_linear"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -174,8 +174,14 @@ def _fp8_mm_flops(a_shape, a_scale_shape, b_shape, b_scale_shape, out_dtype, *ar
 @torch.library.register_kernel("glm52::fp8_blockwise_mm", "cuda")
 def _fp8_blockwise_mm_cuda(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
                            out_dtype: torch.dtype) -> Tensor:
-    """sm90 blockwise ``torch._scaled_mm``: mat2 = b.T (column-major), column-major scales (FACTS.md)."""
     _check(a, a_scale, b, b_scale)
+    return blockwise_scaled_mm(a, a_scale, b, b_scale, out_dtype)
+
+
+def blockwise_scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dtype: torch.dtype,
+                        out: Tensor | None = None) -> Tensor:
+    """sm90 blockwise ``torch._scaled_mm`` on checked CUDA operands: mat2 = b.T (column-major), column-major
+    scales (FACTS.md); ``out`` [M, N] (e.g. rows of a larger contiguous tensor) is written in place."""
     N = b.shape[0]
     b_blocks = b_scale.shape[0] != N                         # 128x128 blocks, else 1x128 tiles
     kb = a.shape[1] // BLOCK
@@ -191,7 +197,7 @@ def _fp8_blockwise_mm_cuda(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tenso
     else:
         scale_b = b_scale.t().contiguous()                  # [K/128, N], row-major
     return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, out=out)
 
 
 # ---------------------------------------------------------------------------------------- autograd

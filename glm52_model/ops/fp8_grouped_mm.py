@@ -31,7 +31,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .fp8 import BLOCK, FP8_DTYPE, dequantize, quantize_1x128, quantize_1x128_t, quantize_128x128
+from .fp8 import (BLOCK, FP8_DTYPE, blockwise_scaled_mm, dequantize, quantize_1x128, quantize_1x128_t,
+                  quantize_128x128)
 from .grouped_mm import _check, group_slots, register_grouped_family, slot_rows
 
 __all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
@@ -113,13 +114,9 @@ GEMM_ROWS = 16
 
 def _mm_into(out: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> None:
     """out = dequant(a) @ dequant(b).T, b in 128x128 blocks; out [M, Np] is written in place on CUDA (cuBLASLt
-    writes y's rows, no copy), as ``glm52::fp8_blockwise_mm`` would compute it elsewhere."""
-    kb = a[0].shape[1] // BLOCK
-    if out.is_cuda and kb % 4 == 0:
-        # _fp8_blockwise_mm_cuda's layout: mat2 = b.T (column-major), scale_a [M, K/128] stored as [K/128, M],
-        # scale_b [K/128, N/128] stored as [N/128, K/128]. K/128 % 4 != 0 needs its padding: the op below.
-        torch._scaled_mm(a[0], b[0].t(), scale_a=a[1].t().contiguous().t(), scale_b=b[1].contiguous().t(),
-                         out_dtype=out.dtype, out=out)
+    writes y's rows, no copy: ``glm52::fp8_blockwise_mm``'s CUDA kernel with ``out``), elsewhere through the op."""
+    if out.is_cuda:
+        blockwise_scaled_mm(a[0], a[1], b[0], b[1], out.dtype, out=out)
     else:
         out.copy_(_mm(a, b, out.dtype))
 

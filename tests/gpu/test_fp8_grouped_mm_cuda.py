@@ -50,10 +50,10 @@ def test_cuda_fp8_vs_bf16_grads():
 
 
 @pytest.mark.parametrize("gemm_rows", [128, 16])
-@pytest.mark.parametrize("K,N", [(512, 384), (1024, 200)])
+@pytest.mark.parametrize("K,N", [(512, 384), (1024, 200), (640, 256)])
 def test_cuda_forward_rows_in_place_uneven_groups(gemm_rows, K, N, monkeypatch):
-    """The forward's GEMMs on each expert's rows, written into y in place (K/128 % 4 == 0: torch._scaled_mm
-    with out=), with a padded tail GEMM per expert at GEMM_ROWS 128 and 16 (cuBLASLt refused arbitrary row
+    """The forward's GEMMs on each expert's rows, written into y in place (torch._scaled_mm with out=; K=640
+    takes blockwise_scaled_mm's K/128 % 4 padding first), with a padded tail GEMM per expert at GEMM_ROWS 128 and 16 (cuBLASLt refused arbitrary row
     counts, GEMM_ROWS 1, on the H200): uneven groups, an empty expert, 1-row experts, rows of no expert,
     N % 128 != 0.
     Against the fake-quant reference on the same bf16 inputs, element by element (bf16 output rounding and

@@ -64,6 +64,17 @@ def test_sparse_mla_cuda_matches_pytorch_kernel_small_topk_not_multiple_of_block
     assert_similar(dkv.float(), rdkv.float(), min_cos=0.9999, max_rel=1e-2, what="dkv")
 
 
+def _edge_inputs(S, Sk, H, topk, seed):
+    """_inputs plus row 1 with only its last slot valid (the last latent row) and row 2 with only its first
+    (latent row 0): the running max starts from the kernels' floor there."""
+    q, kv, idx = _inputs(S, Sk, H, topk, seed=seed)
+    idx[1, :-1] = -1
+    idx[1, -1] = Sk - 1
+    idx[2, 1:] = -1
+    idx[2, 0] = 0
+    return q, kv, idx
+
+
 @pytest.mark.parametrize("S,Sk,topk,H", [(192, 640, 128, 64), (256, 4096, 2048, 64), (96, 300, 100, 48)])
 def test_sparse_mla_pipelined_forward_vs_reference_and_serial(S, Sk, topk, H):
     """The warp-specialised forward (FWD_KERNEL = "pipelined"; 64 padded heads) against the dense reference
@@ -71,11 +82,7 @@ def test_sparse_mla_pipelined_forward_vs_reference_and_serial(S, Sk, topk, H):
     the first (the running max starts from the -2^30 floor), topk a multiple of 2 * block_I or padded up."""
     from unittest import mock
     from glm52_model.ops.cuda import sparse_mla_tl as tl
-    q, kv, idx = _inputs(S, Sk, H, topk, seed=2)
-    idx[1, :-1] = -1
-    idx[1, -1] = Sk - 1
-    idx[2, 1:] = -1
-    idx[2, 0] = 0
+    q, kv, idx = _edge_inputs(S, Sk, H, topk, seed=2)
     scale = 576 ** -0.5
     with mock.patch.object(tl, "FWD_KERNEL", "pipelined"), \
             mock.patch.object(tl, "compile_sparse_mla_fwd_ws", wraps=tl.compile_sparse_mla_fwd_ws) as ws:
@@ -103,11 +110,7 @@ def test_sparse_mla_pipelined_backward_vs_reference_and_serial(S, Sk, topk, H):
     topk a multiple of 2 * block_I or padded up (100)."""
     from unittest import mock
     from glm52_model.ops.cuda import sparse_mla_tl as tl
-    q, kv, idx = _inputs(S, Sk, H, topk, seed=3)
-    idx[1, :-1] = -1
-    idx[1, -1] = Sk - 1
-    idx[2, 1:] = -1
-    idx[2, 0] = 0
+    q, kv, idx = _edge_inputs(S, Sk, H, topk, seed=3)
     scale = 576 ** -0.5
     out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
     dout = torch.randn_like(out)
