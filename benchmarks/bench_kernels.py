@@ -270,8 +270,8 @@ def bench_mla(S, H, idx, reps, with_reference):
             row["fwd_pipelined_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
         row["fwd_pipelined_tflops"] = fwd_flop / row["fwd_pipelined_ms"] / 1e9
         row["fwd_pipelined_max_abs_diff"] = float((out_p.float() - out.float()).abs().max())
-        # the warp-specialised backward (BWD_KERNEL = "pipelined") beside the serial one; a failure (it
-        # has not run on a GPU before) is recorded in the row instead of aborting the benchmark
+        # the warp-specialised backward (BWD_KERNEL = "pipelined", the default) beside the serial one; a
+        # failure is recorded in the row instead of aborting the benchmark
         try:
             with mock.patch.object(tl, "BWD_KERNEL", "serial"):
                 dq_s, dkv_s = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
@@ -280,18 +280,35 @@ def bench_mla(S, H, idx, reps, with_reference):
                 row["bwd_pipelined_ms"] = cuda_time_ms(
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
             row["bwd_pipelined_tflops"] = bwd_flop / row["bwd_pipelined_ms"] / 1e9
+            row["bwd_pipelined_chunk"] = tl.BWD_WS_CHUNK
             # ablation: the pipelined backward without its (scalar, from registers) dkv atomics
             no_scatter = functools.partial(tl.compile_sparse_mla_bwd_ws, dkv_atomics=False)
             with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
                     mock.patch.object(tl, "compile_sparse_mla_bwd_ws", no_scatter):
                 row["bwd_pipelined_no_dkv_scatter_ms"] = cuda_time_ms(
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-            # tuning: 64-column pieces of Q / dO / KV (fewer register spills at build time, more GEMM waits)
-            chunk64 = functools.partial(tl.compile_sparse_mla_bwd_ws, chunk=64)
-            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
-                    mock.patch.object(tl, "compile_sparse_mla_bwd_ws", chunk64):
-                row["bwd_pipelined_chunk64_ms"] = cuda_time_ms(
+            # tuning: the other piece width of Q / dO / KV (64 columns: fewer register spills at build
+            # time, more GEMM waits; 128: the reverse)
+            other = 192 - tl.BWD_WS_CHUNK
+            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), mock.patch.object(tl, "BWD_WS_CHUNK", other):
+                row[f"bwd_pipelined_chunk{other}_ms"] = cuda_time_ms(
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+            # the other dKV layout (BWD_WS_DKV): slot-major on mma.sync with x2 atomics, or latent-major;
+            # its failure is recorded without losing the rest of this row
+            other_dkv = "slot" if tl.BWD_WS_DKV == "latent" else "latent"
+            key = f"bwd_pipelined_dkv_{other_dkv}"
+            try:
+                with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
+                        mock.patch.object(tl, "BWD_WS_DKV", other_dkv):
+                    dq_o, dkv_o = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
+                    row[f"{key}_ms"] = cuda_time_ms(
+                        lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+                row[f"{key}_tflops"] = bwd_flop / row[f"{key}_ms"] / 1e9
+                row[f"{key}_dq_max_abs_diff"] = float((dq_o.float() - dq_s.float()).abs().max())
+                row[f"{key}_dkv_max_abs_diff"] = float((dkv_o.float() - dkv_s.float()).abs().max())
+                del dq_o, dkv_o
+            except Exception as e:  # noqa: BLE001
+                row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
             row["bwd_pipelined_dq_max_abs_diff"] = float((dq_p.float() - dq_s.float()).abs().max())
             row["bwd_pipelined_dkv_max_abs_diff"] = float((dkv_p.float() - dkv_s.float()).abs().max())
             row["bwd_pipelined_dq_max_abs_serial"] = float(dq_s.float().abs().max())

@@ -51,7 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps, the first compiles")
     p.add_argument("--topk-reps", type=int, default=10)
     p.add_argument("--no-fp8", action="store_true")
-    p.add_argument("--fp8-experts", action="store_true", help="routed experts in tile-wise FP8 (glm52::fp8_grouped_mm)")
+    p.add_argument("--experts", default=None, choices=("fp8", "bf16"),
+                   help="routed-expert GEMMs: tile-wise FP8 (glm52::fp8_grouped_mm) or the compute dtype "
+                        "(default: the preset's; the bench preset runs them in FP8 with the FP8 linears)")
     p.add_argument("--fp8-indexer", action="store_true", help="the indexer's logits from e4m3 q and k")
     p.add_argument("--backend", default=None, choices=("inductor", "aot_eager"),
                    help="inner compiler of every variant (default: inductor on CUDA, aot_eager on CPU, where "
@@ -82,12 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def layer_config(args) -> GLM52Config:
     """One MoE layer computing top-k: the bench preset, or the tiny widths for a CPU smoke test."""
+    experts = {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
     if args.preset == "tiny":
-        return GLM52Config.tiny(fp8=not args.no_fp8, fp8_experts=args.fp8_experts,
-                                fp8_indexer=args.fp8_indexer, recompute=True, num_layers=1,
-                                first_k_dense=0, mtp_layers=0)
-    return GLM52Config.bench(fp8=not args.no_fp8, fp8_experts=args.fp8_experts, fp8_indexer=args.fp8_indexer,
-                             recompute=True)
+        return GLM52Config.tiny(fp8=not args.no_fp8, fp8_indexer=args.fp8_indexer, recompute=True,
+                                num_layers=1, first_k_dense=0, mtp_layers=0, **experts)
+    return GLM52Config.bench(fp8=not args.no_fp8, fp8_indexer=args.fp8_indexer, recompute=True, **experts)
 
 
 class Run:

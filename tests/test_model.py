@@ -58,6 +58,10 @@ def test_presets_and_layer_kinds():
         assert preset().recompute is True and preset(fp8=True).fp8 is True
     for name in PRESETS:
         assert GLM52Config.preset(name, fp8=True) == getattr(GLM52Config, name)(fp8=True)
+    # the bench preset's FP8 recipe covers the routed experts unless told otherwise; the others keep them bf16
+    assert GLM52Config.bench(fp8=True).fp8_experts is True and GLM52Config.bench().fp8_experts is False
+    assert GLM52Config.bench(fp8=True, fp8_experts=False).fp8_experts is False
+    assert GLM52Config.tiny(fp8=True).fp8_experts is False
 
 
 def test_config_errors():

@@ -228,9 +228,10 @@ def _with_kernel_settings(built: Built, settings) -> Built:
 
 _TOPK = "glm52_model.ops.cuda.dsa_topk_tl"
 FOUR_ROUND_SELECT = ((_TOPK, "SELECT_CANDIDATES", 0), (_TOPK, "SELECT_THREADS", 1024))
-# What the CUDA kernels were before issue 13's second H200 session (2026-12-01)
+# What the CUDA kernels were before issue 13's second and third H200 sessions (2026-12-01)
 PREVIOUS_KERNELS = (
     ("glm52_model.ops.cuda.sparse_mla_tl", "FWD_KERNEL", "serial"),
+    ("glm52_model.ops.cuda.sparse_mla_tl", "BWD_KERNEL", "serial"),
     (_TOPK, "LOGITS_TUNABLES", {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True}),
     (_TOPK, "LOGITS_BUDGET_BYTES", 1 << 30),
     (_TOPK, "SELECT_CANDIDATES", 3072),
@@ -246,39 +247,48 @@ def _sacpass_four_round(layer, backend):
     return _with_kernel_settings(_sacpass_variant(layer, backend, "sacpass-four-round"), FOUR_ROUND_SELECT)
 
 
+def _precision(layer: DecoderLayer, experts: bool | None = None, indexer: bool | None = None) -> DecoderLayer:
+    """Set this private copy's routed experts / indexer logits to FP8 (True) or the compute dtype (False),
+    what ``GLM52Config(fp8_experts=..., fp8_indexer=...)`` builds; None keeps the preset's choice. Same
+    weights, so the variants run beside each other in one process."""
+    if experts is not None:
+        layer.mlp.fp8_experts = experts
+    if indexer is not None:
+        layer.attn.indexer.fp8 = indexer
+    return layer
+
+
 @variant("sacpass_previous_kernels", color="tab:green", ls=":")
 def _sacpass_previous_kernels(layer, backend):
-    """sacpass on the kernels as they were before (serial sparse MLA forward, 128-key logits tiles with a
-    producer warpgroup, 1024-thread select, PyTorch quantisers for the dense FP8 linears)"""
-    return _with_kernel_settings(_sacpass_variant(layer, backend, "sacpass-previous-kernels"), PREVIOUS_KERNELS)
+    """sacpass on the kernels as they were before issue 13 (serial sparse MLA forward and backward, 128-key
+    logits tiles with a producer warpgroup, 1024-thread select, PyTorch quantisers for the dense FP8 linears,
+    bf16 routed experts)"""
+    return _with_kernel_settings(_sacpass_variant(_precision(layer, experts=False), backend,
+                                                  "sacpass-previous-kernels"), PREVIOUS_KERNELS)
 
 
-def _fp8_kernels(layer: DecoderLayer, experts: bool, indexer: bool) -> DecoderLayer:
-    """Switch this private copy's routed experts / indexer logits to FP8 (what ``GLM52Config(fp8_experts=...,
-    fp8_indexer=...)`` builds): same weights, so the current kernels run beside them in one process."""
-    if experts:
-        layer.mlp.fp8_experts = True
-    if indexer:
-        layer.attn.indexer.fp8 = True
-    return layer
+@variant("sacpass_bf16_experts", color="tab:orange", ls=":")
+def _sacpass_bf16_experts(layer, backend):
+    """sacpass with the routed experts in the compute dtype (glm52::grouped_mm), the other kernels current"""
+    return _sacpass_variant(_precision(layer, experts=False), backend, "sacpass-bf16-experts")
 
 
 @variant("sacpass_fp8_experts", color="tab:red", ls=":")
 def _sacpass_fp8_experts(layer, backend):
-    """sacpass with the routed experts in tile-wise FP8 (glm52::fp8_grouped_mm)"""
-    return _sacpass_variant(_fp8_kernels(layer, True, False), backend, "sacpass-fp8-experts")
+    """sacpass with the routed experts in tile-wise FP8 (glm52::fp8_grouped_mm; the bench preset's FP8 default)"""
+    return _sacpass_variant(_precision(layer, experts=True), backend, "sacpass-fp8-experts")
 
 
 @variant("sacpass_fp8_indexer", color="tab:purple", ls=":")
 def _sacpass_fp8_indexer(layer, backend):
     """sacpass with the indexer's logits from e4m3 q and k (same top-k op, k_scale given)"""
-    return _sacpass_variant(_fp8_kernels(layer, False, True), backend, "sacpass-fp8-indexer")
+    return _sacpass_variant(_precision(layer, indexer=True), backend, "sacpass-fp8-indexer")
 
 
 @variant("sacpass_fp8_all", color="black", ls=":")
 def _sacpass_fp8_all(layer, backend):
     """sacpass with both: FP8 routed experts and FP8 indexer logits"""
-    return _sacpass_variant(_fp8_kernels(layer, True, True), backend, "sacpass-fp8-all")
+    return _sacpass_variant(_precision(layer, experts=True, indexer=True), backend, "sacpass-fp8-all")
 
 
 @variant("offload_ids", color="tab:cyan", marker="^")

@@ -432,19 +432,23 @@ def build_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
 def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: int = 576,
                             dim_v: int = 512, block_I: int = 32, chunk: int = 128,
                             nreg_s: int = 232, nreg_dp: int = 232, nreg_gather: int = 40,
-                            dkv_atomics: bool = True):
+                            dkv_atomics: bool = True, dkv_slot_major: bool = False):
     """Warp-specialised backward for one 64-head block (GLM-5.2's heads): the signature and results of
-    `build_sparse_mla_bwd`; one CTA per query, 384 threads in three warpgroups. NOT YET RUN ON A GPU
-    (it builds for sm_90a. ptxas, CUDA 13.0, defaults: 168 registers at launch, setmaxnreg 232/232/40,
-    1012 B spill stores / 1048 B loads, in the consumer warpgroups: mostly 64-bit wgmma descriptors kept
-    across the slot loop; chunk=64 spills 796 B).
+    `build_sparse_mla_bwd`; one CTA per query, 384 threads in three warpgroups. H200, 64 heads, 16K, top-k
+    2048, chunk 64: 61.1 ms (194 TFLOP/s); with the dKV atomics ablated 21.8 ms, so the atomics below bound
+    it (ptxas, CUDA 13.0: 168 registers at launch, setmaxnreg 232/232/40; spill stores 796 B at chunk 64,
+    1012 B at 128, in the consumer warpgroups: mostly 64-bit wgmma descriptors kept across the slot loop).
 
-    Shared memory (224 KiB dynamic at the defaults): Q [64, 576] and dO [64, 512], kept in `chunk`-column
+    Shared memory (224 KiB dynamic at chunk 128): Q [64, 576] and dO [64, 512], kept in `chunk`-column
     pieces so that every GEMM operand is a whole buffer; two KV stages of block_I x 576; P and dS
-    [64, block_I] bf16, one pair per stage. Nothing else fits, so dKV leaves registers directly as scalar
-    fp32 atomics: the dKV GEMMs are computed transposed, dKV^T [latent, slot] (M = latent columns, a
-    multiple of 64, as wgmma wants; block_I slots are only 32), and a thread of that accumulator holds
-    consecutive slots, i.e. different dKV rows, so the atomics cannot be vectorised.
+    [64, block_I] bf16, one pair per stage. Nothing else fits, so dKV leaves registers directly as fp32
+    atomics, in one of two layouts (`dkv_slot_major`):
+    - False (measured): the dKV GEMMs are computed transposed on wgmma, dKV^T [latent, slot] (M = latent
+      columns, a multiple of 64 as wgmma wants; block_I slots are only 32). A thread of that accumulator
+      holds consecutive slots, i.e. different dKV rows, so its atomics are scalar.
+    - True (built, NOT YET RUN ON A GPU): dKV [slot, latent] on mma.sync (TileLang picks it for M = 32);
+      a thread holds pairs of consecutive latent columns, so the atomics are x2, half as many, and ptxas
+      spills 188 B at chunk 64. The dKV GEMMs (40% of the FLOPs) then run on the older tensor-core path.
 
     - warpgroup 2, producer (`nreg_gather` registers): after `free[st]`, gathers the latent rows of slot
       block `it` with cp.async into stage st = it % 2 (zero fill for masked slots), arrives `ready[st]`;
@@ -491,19 +495,37 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
 
     @T.macro
     def scatter(dKV, slot, col0, ncols, acc):
-        # acc = dKV^T [ncols latent, block_I slots], to dKV[slot, col0:col0 + ncols]; `slot` holds the
-        # block's latent rows (-1 masked) in registers, loaded once per block
+        # acc = dKV^T [ncols latent, block_I slots] (or dKV [block_I, ncols] when slot-major), to
+        # dKV[slot, col0:col0 + ncols]; `slot` holds the block's latent rows (-1 masked) in registers,
+        # loaded once per block
         if dkv_atomics:                               # False: an ablation (dKV is not written)
-            for l, j in T.Parallel(ncols, block_I):
-                if slot[j] >= 0:
-                    T.atomic_add(dKV[slot[j], col0 + l], acc[l, j])
+            if dkv_slot_major:
+                for j, l2 in T.Parallel(block_I, ncols // 2):
+                    if slot[j] >= 0:
+                        T.atomic_addx2(dKV[slot[j], col0 + 2 * l2], acc[j, 2 * l2])
+            else:
+                for l, j in T.Parallel(ncols, block_I):
+                    if slot[j] >= 0:
+                        T.atomic_add(dKV[slot[j], col0 + l], acc[l, j])
 
     @T.macro
-    def s_step(Idx, dKV, s_i, it, qc, qt_s, doc, kvc, kt, p_s, ds_s, lse2, slot, acc_s, acc_dq,
+    def dkv_gemm(a_t, b_s, acc, clear):
+        # dKV^T += a_t^T b_s ([cols, slots], wgmma) or, slot-major, dKV += b_s^T a_t ([slots, cols])
+        if dkv_slot_major:
+            T.gemm(b_s, a_t, acc, transpose_A=True, clear_accum=clear)
+        else:
+            T.gemm(a_t, b_s, acc, transpose_A=True, clear_accum=clear)
+
+    @T.macro
+    def s_step(Idx, dKV, s_i, it, qc, qt_s, doc, kvc, kt, p_s, ds_s, lse2, slot, kslot, acc_s, acc_dq,
                acc_dqt, acc_kv, ready, free, p_ready, p_free, ds_ready, ds_free):
-        # warpgroup 0, slot block `it` in stage (kvc, kt); the index loads precede the wait
+        # warpgroup 0, slot block `it` in stage (kvc, kt); the index loads precede the wait. `kslot`: the
+        # same rows in the slot-major dKV accumulator's layout (else `slot` itself)
         for i in T.Parallel(block_I):
             slot[i] = Idx[s_i, it * block_I + i]
+        if dkv_slot_major:
+            for i in T.Parallel(block_I):
+                kslot[i] = Idx[s_i, it * block_I + i]
         T.barrier_wait(ready, (it // 2) & 1)
         for h, i in T.Parallel(HB, block_I):
             acc_s[h, i] = T.if_then_else(slot[i] >= 0, 0, -T.infinity(accum))
@@ -518,11 +540,11 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
         T.fence_proxy_async()                         # P is read by wgmma (both warpgroups' dKV)
         T.barrier_arrive(p_ready)
         for c in CH0:
-            T.gemm(doc[c], p_s, acc_kv, transpose_A=True, clear_accum=True)
+            dkv_gemm(doc[c], p_s, acc_kv, True)
             if c == 0:
                 T.barrier_wait(ds_ready, (it // 2) & 1)
-            T.gemm(qc[c], ds_s, acc_kv, transpose_A=True)
-            scatter(dKV, slot, c * chunk, chunk, acc_kv)
+            dkv_gemm(qc[c], ds_s, acc_kv, False)
+            scatter(dKV, kslot, c * chunk, chunk, acc_kv)
         for c in CH0:
             T.gemm(ds_s, kvc[c], acc_dq[c], annotations={"wg_wait": -1})
         T.gemm(ds_s, kt, acc_dqt, annotations={"wg_wait": -1})
@@ -550,11 +572,11 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
         T.fence_proxy_async()
         T.barrier_arrive(ds_ready)
         for c in CH1:
-            T.gemm(doc[c], p_s, acc_kv, transpose_A=True, clear_accum=True)
-            T.gemm(qc[c], ds_s, acc_kv, transpose_A=True)
+            dkv_gemm(doc[c], p_s, acc_kv, True)
+            dkv_gemm(qc[c], ds_s, acc_kv, False)
             scatter(dKV, slot, c * chunk, chunk, acc_kv)
         T.barrier_arrive(p_free)                      # last read of this P (its dKV^T GEMMs)
-        T.gemm(qt_s, ds_s, acc_kt, transpose_A=True, clear_accum=True)
+        dkv_gemm(qt_s, ds_s, acc_kt, True)
         scatter(dKV, slot, D, DT, acc_kt)
         for c in CH1:
             T.gemm(ds_s, kvc[c], acc_dq[c - NC0], annotations={"wg_wait": -1})
@@ -588,15 +610,17 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
             delta = T.alloc_fragment([HB], accum)
             slot0 = T.alloc_fragment([block_I], T.int32)    # latent rows of the block, warpgroup 0
             slot1 = T.alloc_fragment([block_I], T.int32)    # the same, warpgroup 1
+            kslot0 = T.alloc_fragment([block_I], T.int32) if dkv_slot_major else slot0
             acc_s = T.alloc_fragment([HB, block_I], accum)
             acc_dp = T.alloc_fragment([HB, block_I], accum)
             p_frag = T.alloc_fragment([HB, block_I], dtype)
             acc_dq0 = [T.alloc_fragment([HB, chunk], accum) for _ in range(NC0)]
             acc_dq1 = [T.alloc_fragment([HB, chunk], accum) for _ in range(NC - NC0)]
             acc_dqt = T.alloc_fragment([HB, DT], accum)
-            acc_kv0 = T.alloc_fragment([chunk, block_I], accum)
-            acc_kv1 = T.alloc_fragment([chunk, block_I], accum)
-            acc_kt = T.alloc_fragment([DT, block_I], accum)
+            kv_shape = [block_I, chunk] if dkv_slot_major else [chunk, block_I]
+            acc_kv0 = T.alloc_fragment(kv_shape, accum)
+            acc_kv1 = T.alloc_fragment(kv_shape, accum)
+            acc_kt = T.alloc_fragment([block_I, DT] if dkv_slot_major else [DT, block_I], accum)
             ready0 = T.alloc_barrier(arrive_count=128)
             ready1 = T.alloc_barrier(arrive_count=128)
             free0 = T.alloc_barrier(arrive_count=256)
@@ -626,11 +650,11 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
                 T.clear(acc_dqt)
                 T.barrier_wait(loaded, 0)
                 for i2 in T.serial(NI // 2):
-                    s_step(Idx, dKV, s_i, 2 * i2, qc, qt_s, doc, kvc0, kt0, p_s0, ds_s0, lse2, slot0,
+                    s_step(Idx, dKV, s_i, 2 * i2, qc, qt_s, doc, kvc0, kt0, p_s0, ds_s0, lse2, slot0, kslot0,
                            acc_s, acc_dq0, acc_dqt, acc_kv0, ready0, free0, p_ready0, p_free0,
                            ds_ready0, ds_free0)
                     s_step(Idx, dKV, s_i, 2 * i2 + 1, qc, qt_s, doc, kvc1, kt1, p_s1, ds_s1, lse2,
-                           slot0, acc_s, acc_dq0, acc_dqt, acc_kv0, ready1, free1, p_ready1, p_free1,
+                           slot0, kslot0, acc_s, acc_dq0, acc_dqt, acc_kv0, ready1, free1, p_ready1, p_free1,
                            ds_ready1, ds_free1)
                 for c in CH0:
                     T.copy(acc_dq0[c], dQ[s_i, :, c * chunk:(c + 1) * chunk])
@@ -718,8 +742,11 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             build_sparse_mla_bwd(64, 2048, scale, **bwd_tunables(64)), target=target,
             pass_configs=BWD_PASS_CONFIGS),
         "sparse_mla_bwd_ws[h64,k2048]": lambda: tilelang.compile(
-            build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I), target=target,
+            build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=BWD_WS_CHUNK), target=target,
             pass_configs=FWD_PASS_CONFIGS),
+        "sparse_mla_bwd_ws_slot_major[h64,k2048]": lambda: tilelang.compile(
+            build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=BWD_WS_CHUNK,
+                                    dkv_slot_major=True), target=target, pass_configs=FWD_PASS_CONFIGS),
     }
 
 
@@ -738,10 +765,16 @@ FWD_KERNEL = "pipelined"
 # Backward kernel for 64 padded heads, read at every call like FWD_KERNEL: "serial" =
 # build_sparse_mla_bwd, "pipelined" = build_sparse_mla_bwd_ws (warp-specialised; d_v a multiple of 256,
 # topk padded to a multiple of 2 * BWD_WS_BLOCK_I). Other head counts always run the serial kernel.
-# Stays "serial": the pipelined backward builds for sm_90a but has NOT YET RUN ON A GPU (serial: 164.6
-# TFLOP/s on the H200, 64 heads, S=16K, top-k 2048).
-BWD_KERNEL = "serial"
+# H200, torch 2.11, 64 heads, S=16K, top-k 2048 (benchmarks/results/bench_kernels_run7_h200.json):
+# pipelined 61.1 ms / 194 TFLOP/s (BWD_WS_CHUNK 64; 64.1 at 128), serial 72.2 ms / 164; GPU tests pass.
+BWD_KERNEL = "pipelined"
 BWD_WS_BLOCK_I = 32
+BWD_WS_CHUNK = 64       # latent columns per shared piece of Q / dO / KV (128: 64.1 ms in the same run)
+# How the pipelined backward's dKV leaves registers: "latent" = dKV^T [latent, slot] on wgmma, scalar fp32
+# atomics (the one measured above; 21.8 ms of its 64.1 without them); "slot" = dKV [slot, latent] on
+# mma.sync (M = 32 slots is below wgmma's 64), paired (x2) fp32 atomics, half as many. "slot" builds for
+# sm_90a (ptxas at chunk 64: 188 B spill stores against 796) but has NOT YET RUN ON A GPU.
+BWD_WS_DKV = "latent"
 
 
 def bwd_tunables(padded_h: int) -> dict:
@@ -813,7 +846,9 @@ def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     pipelined = BWD_KERNEL == "pipelined" and Hp == 64 and d_v % 256 == 0
     if pipelined:
         # two shared stages: the pipelined kernel walks the slots two blocks at a time
-        tun = {"block_I": BWD_WS_BLOCK_I}
+        if BWD_WS_DKV not in ("latent", "slot"):
+            raise ValueError(f"sparse_mla_bwd_tl: BWD_WS_DKV must be 'latent' or 'slot', got {BWD_WS_DKV!r}")
+        tun = {"block_I": BWD_WS_BLOCK_I, "chunk": BWD_WS_CHUNK, "dkv_slot_major": BWD_WS_DKV == "slot"}
         idx = _prep_indices(indices, 2 * BWD_WS_BLOCK_I)
         compile_bwd = compile_sparse_mla_bwd_ws
     else:
