@@ -262,16 +262,37 @@ def bench_mla(S, H, idx, reps, with_reference):
     dout = torch.randn_like(out)
     row["fwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
     row["bwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+    row["bwd_kernel"] = "pipelined" if tl.BWD_KERNEL == "pipelined" and tl.padded_heads(H) == 64 else "serial"
     row["fwd_tflops"] = fwd_flop / row["fwd_ms"] / 1e9
     row["bwd_tflops"] = bwd_flop / row["bwd_ms"] / 1e9
+    if with_reference:
+        row["reference_fwd_ms"] = cuda_time_ms(lambda: _sparse_mla_fwd_kernel(q, kv, idx, scale, 512),
+                                               warmup=1, reps=2)
+        row["reference_bwd_ms"] = cuda_time_ms(
+            lambda: _sparse_mla_bwd_kernel(q, kv, out, dout, idx, lse, scale, 512), warmup=1, reps=2)
+    # profile of the serial backward: what the kernels move (every query gathers topk latent rows, 576
+    # bf16, in fwd and bwd; the bwd also scatters topk x 576 fp32 dkv partial sums with vector atomics),
+    # and the serial backward without those atomics (an ablation built from its TIR)
+    gathered = S * topk * 576 * 2
+    row["fwd_gather_tb_per_s"] = gathered / row["fwd_ms"] / 1e9
+    with mock.patch.object(tl, "BWD_KERNEL", "serial"):
+        row["bwd_serial_ms"] = cuda_time_ms(
+            lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+        with mock.patch.object(tl, "compile_sparse_mla_bwd", compile_bwd_without_dkv_scatter):
+            row["bwd_serial_no_dkv_scatter_ms"] = cuda_time_ms(
+                lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+    row["bwd_serial_tflops"] = bwd_flop / row["bwd_serial_ms"] / 1e9
+    row["bwd_serial_dkv_scatter_share"] = 1 - row["bwd_serial_no_dkv_scatter_ms"] / row["bwd_serial_ms"]
+    spent = row["bwd_serial_ms"] - row["bwd_serial_no_dkv_scatter_ms"]
+    row["bwd_serial_dkv_atomic_tb_per_s"] = S * topk * 576 * 4 / spent / 1e9 if spent > 0 else None
     if tl.padded_heads(H) == 64:  # the warp-specialised forward beside the one FWD_KERNEL picks
         with mock.patch.object(tl, "FWD_KERNEL", "pipelined"):
             out_p, _ = tl.sparse_mla_tl(q, kv, idx, scale, 512)
             row["fwd_pipelined_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
         row["fwd_pipelined_tflops"] = fwd_flop / row["fwd_pipelined_ms"] / 1e9
         row["fwd_pipelined_max_abs_diff"] = float((out_p.float() - out.float()).abs().max())
-        # the warp-specialised backward (BWD_KERNEL = "pipelined", the default) beside the serial one; a
-        # failure is recorded in the row instead of aborting the benchmark
+        # the warp-specialised backward beside the serial one; a failure is recorded in the row instead
+        # of aborting the benchmark
         try:
             with mock.patch.object(tl, "BWD_KERNEL", "serial"):
                 dq_s, dkv_s = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
@@ -281,20 +302,29 @@ def bench_mla(S, H, idx, reps, with_reference):
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
             row["bwd_pipelined_tflops"] = bwd_flop / row["bwd_pipelined_ms"] / 1e9
             row["bwd_pipelined_chunk"] = tl.BWD_WS_CHUNK
-            # ablation: the pipelined backward without its (scalar, from registers) dkv atomics
+            row["bwd_pipelined_dkv_layout"] = tl.BWD_WS_DKV
+            row["bwd_pipelined_dq_max_abs_diff"] = float((dq_p.float() - dq_s.float()).abs().max())
+            row["bwd_pipelined_dkv_max_abs_diff"] = float((dkv_p.float() - dkv_s.float()).abs().max())
+            row["bwd_pipelined_dq_max_abs_serial"] = float(dq_s.float().abs().max())
+            row["bwd_pipelined_dkv_max_abs_serial"] = float(dkv_s.float().abs().max())
+            del dq_p, dkv_p
+            # ablation: the pipelined backward without its dkv atomics (dkv is then wrong)
             no_scatter = functools.partial(tl.compile_sparse_mla_bwd_ws, dkv_atomics=False)
             with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
                     mock.patch.object(tl, "compile_sparse_mla_bwd_ws", no_scatter):
                 row["bwd_pipelined_no_dkv_scatter_ms"] = cuda_time_ms(
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-            # tuning: the other piece width of Q / dO / KV (64 columns: fewer register spills at build
-            # time, more GEMM waits; 128: the reverse)
-            other = 192 - tl.BWD_WS_CHUNK
+            # tuning: the other piece width of Q / dO / KV (64 columns: fewer register spills, more GEMM
+            # waits; 128: the reverse)
+            other = 128 if tl.BWD_WS_CHUNK == 64 else 64
             with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), mock.patch.object(tl, "BWD_WS_CHUNK", other):
                 row[f"bwd_pipelined_chunk{other}_ms"] = cuda_time_ms(
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-            # the other dKV layout (BWD_WS_DKV): slot-major on mma.sync with x2 atomics, or latent-major;
-            # its failure is recorded without losing the rest of this row
+        except Exception as e:  # noqa: BLE001
+            row["bwd_pipelined_error"] = f"{type(e).__name__}: {e}"[:500]
+        else:
+            # last, as a kernel that has not yet run on a GPU may leave the CUDA context unusable: the
+            # other dKV layout (BWD_WS_DKV), slot-major on mma.sync with x2 atomics, or latent-major
             other_dkv = "slot" if tl.BWD_WS_DKV == "latent" else "latent"
             key = f"bwd_pipelined_dkv_{other_dkv}"
             try:
@@ -306,30 +336,8 @@ def bench_mla(S, H, idx, reps, with_reference):
                 row[f"{key}_tflops"] = bwd_flop / row[f"{key}_ms"] / 1e9
                 row[f"{key}_dq_max_abs_diff"] = float((dq_o.float() - dq_s.float()).abs().max())
                 row[f"{key}_dkv_max_abs_diff"] = float((dkv_o.float() - dkv_s.float()).abs().max())
-                del dq_o, dkv_o
             except Exception as e:  # noqa: BLE001
                 row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
-            row["bwd_pipelined_dq_max_abs_diff"] = float((dq_p.float() - dq_s.float()).abs().max())
-            row["bwd_pipelined_dkv_max_abs_diff"] = float((dkv_p.float() - dkv_s.float()).abs().max())
-            row["bwd_pipelined_dq_max_abs_serial"] = float(dq_s.float().abs().max())
-            row["bwd_pipelined_dkv_max_abs_serial"] = float(dkv_s.float().abs().max())
-            del dq_s, dkv_s, dq_p, dkv_p
-        except Exception as e:  # noqa: BLE001
-            row["bwd_pipelined_error"] = f"{type(e).__name__}: {e}"[:500]
-    # profile: what the kernels move. Every query gathers topk latent rows (576 bf16) in fwd and bwd; the
-    # bwd also scatters topk x 576 fp32 dkv partial sums with vector atomics. Ablation: bwd without them.
-    gathered = S * topk * 576 * 2
-    row["fwd_gather_tb_per_s"] = gathered / row["fwd_ms"] / 1e9
-    with mock.patch.object(tl, "compile_sparse_mla_bwd", compile_bwd_without_dkv_scatter):
-        row["bwd_no_dkv_scatter_ms"] = cuda_time_ms(
-            lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-    row["bwd_dkv_scatter_share"] = 1 - row["bwd_no_dkv_scatter_ms"] / row["bwd_ms"]
-    row["bwd_dkv_atomic_tb_per_s"] = S * topk * 576 * 4 / (row["bwd_ms"] - row["bwd_no_dkv_scatter_ms"]) / 1e9
-    if with_reference:
-        row["reference_fwd_ms"] = cuda_time_ms(lambda: _sparse_mla_fwd_kernel(q, kv, idx, scale, 512),
-                                               warmup=1, reps=2)
-        row["reference_bwd_ms"] = cuda_time_ms(
-            lambda: _sparse_mla_bwd_kernel(q, kv, out, dout, idx, lse, scale, 512), warmup=1, reps=2)
     return row
 
 

@@ -3,8 +3,9 @@
     python3 benchmarks/bench_model.py --layers 16 --seq 65536 --variants control,sacpass,plan \
         --host-gib 4 --out benchmarks/results/bench_model_h200.json
 
-The model is ``GLM52ForCausalLM(GLM52Config.bench(num_layers=N, mtp_layers=0))`` in bf16 with FP8 linears and
-the TileLang kernels: full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder
+The model is ``GLM52ForCausalLM(GLM52Config.bench(num_layers=N, mtp_layers=0))`` in bf16 with FP8 linears (and,
+since issue 13, FP8 routed experts: the bench preset's FP8 recipe; ``--experts bf16`` for the bf16 experts every
+result before 2026-12-01 was measured with) and the TileLang kernels: full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder
 layer is compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from
 the same seed, one compiling step, ``--warmup`` more, then the median of ``--steps`` timed fwd+bwd steps (CUDA
 events), the peak allocated memory of the timed steps, the host bytes offloaded and how much of the reload
@@ -54,8 +55,9 @@ def backends(args) -> dict:
 
 def build(args, device, dtype) -> GLM52ForCausalLM:
     torch.manual_seed(0)
+    experts = {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
     cfg = GLM52Config.preset(args.preset, num_layers=args.layers, mtp_layers=0, fp8=not args.no_fp8,
-                             first_k_dense=0)
+                             first_k_dense=0, **experts)
     with torch.device(device):
         model = GLM52ForCausalLM(cfg)
     return model.to(dtype)
@@ -104,6 +106,7 @@ def measure(args, name, make_backend, device, dtype) -> dict:
     st = offload_runtime.stats()
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
+           "fp8_experts": model.cfg.fp8_experts,
            "graphs": len(reports), "saved_activation_gib_per_graph": [r.activation_bytes / 2 ** 30 for r in reports],
            "saved_host_gib_per_graph": [r.host_bytes / 2 ** 30 for r in reports],
            "planned": {a: sum(1 for r in reports for d in r.decisions if d.action == a)
@@ -134,6 +137,8 @@ def main(argv=None) -> dict:
     p.add_argument("--host-gib", type=float, default=4.0, help="planner host budget per layer (GiB)")
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--experts", default=None, choices=("fp8", "bf16"),
+                   help="routed-expert GEMMs in tile-wise FP8 or the compute dtype (default: the preset's)")
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)

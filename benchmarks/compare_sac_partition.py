@@ -4,8 +4,9 @@ Compiles the bench layer twice through sacpass's partitioner so both get a repor
 by hand (checkpoint(layer, context_fn=save the top-k)) with sacpass adding no tags (``use_registered=False``),
 (2) the model's own checkpoint with sacpass. Prints saved bytes by reason and the ops each backward
 recomputes that the other does not. On the H200 (torch 2.11, 4K) both save the same 20 tensors and
-recompute the same 161 ops (``benchmarks/results/sac_vs_sacpass_h200.json``); before sacpass routed plain
-checkpoints through torch 2.13's tagging, sacpass's side saved the FP8 linears' outputs.
+recompute the same 161 ops (``benchmarks/results/sac_vs_sacpass_h200.json``, bf16 routed experts: the bench
+preset's default then; it now runs them in FP8, ``--experts bf16`` for that comparison); before sacpass routed
+plain checkpoints through torch 2.13's tagging, sacpass's side saved the FP8 linears' outputs.
 
     python3 benchmarks/compare_sac_partition.py --seq 4096 [--device cuda] [--inner inductor]
 """
@@ -44,11 +45,14 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--preset", default="bench")
     p.add_argument("--inner", default="inductor")
+    p.add_argument("--experts", default=None, choices=("fp8", "bf16"),
+                   help="routed-expert GEMMs in tile-wise FP8 or the compute dtype (default: the preset's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = GLM52Config.preset(args.preset, fp8=True, recompute=True)
+    experts = {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
+    cfg = GLM52Config.preset(args.preset, fp8=True, recompute=True, **experts)
     base = build_layer(cfg, device, dtype)
     inputs = make_inputs(args.seq, cfg, device, dtype)
 

@@ -55,12 +55,13 @@ def cold_compile_caches():
 
 
 def step(v: Variant, x0, positions, starts, ends, topk_ids=None) -> torch.Tensor:
-    """One fwd + bwd; returns the loss."""
+    """One fwd + bwd, under the variant's kernel settings; returns the loss."""
     v.layer.zero_grad(set_to_none=True)
     x = x0.detach().requires_grad_()
-    out, _ = v(x, positions, starts, ends, topk_ids)
-    loss = out.float().square().mean()
-    loss.backward()
+    with v.kernel_settings():
+        out, _ = v(x, positions, starts, ends, topk_ids)
+        loss = out.float().square().mean()
+        loss.backward()
     return loss.detach()
 
 

@@ -18,11 +18,13 @@ from .variants import CONTROL, VARIANTS
 
 CONFIG_KEYS = ("hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "index_n_heads", "index_head_dim",
                "index_topk", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-MERGE_KEYS = ("preset", "fp8", "steps", "backend", "dynamic_tokens")   # must agree to merge two runs
+MERGE_KEYS = ("preset", "fp8", "fp8_experts", "fp8_indexer", "steps", "backend",
+              "dynamic_tokens")                                          # must agree to merge two runs
 
 
 def new_result(args, cfg, device: torch.device, dtype: torch.dtype) -> dict:
-    return {"env": env_info(device), "preset": args.preset, "fp8": cfg.fp8, "dtype": str(dtype),
+    return {"env": env_info(device), "preset": args.preset, "fp8": cfg.fp8, "fp8_experts": cfg.fp8_experts,
+            "fp8_indexer": cfg.fp8_indexer, "dtype": str(dtype),
             "steps": args.steps, "warmup": args.warmup, "backend": args.backend, "dynamic_tokens": not args.static,
             "config": {k: getattr(cfg, k) for k in CONFIG_KEYS}, "seq": {}, "compile": {}, "mtp": {}, "notes": []}
 
@@ -143,7 +145,10 @@ def _fmt(x, spec=".1f", none="-"):
 
 def markdown(result: dict) -> str:
     info = result["env"]
-    lines = [f"# Layer benchmark ({result['preset']} preset, fp8={result['fp8']}, {info.get('gpu', info['device'])})",
+    # fp8_experts / fp8_indexer: the base layer's (variants may switch them); older results lack them
+    precision = "".join(f", {k}={result[k]}" for k in ("fp8_experts", "fp8_indexer") if k in result)
+    lines = [f"# Layer benchmark ({result['preset']} preset, fp8={result['fp8']}{precision}, "
+             f"{info.get('gpu', info['device'])})",
              "",
              f"torch {info['torch']}, TileLang {info['tilelang']}, Python {info['python']}; "
              f"`{info['command']}`", "",

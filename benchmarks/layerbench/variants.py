@@ -6,8 +6,10 @@ function here; the run order, tables and plot pick it up (add it to :data:`RUN_O
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import importlib
 import types
 from dataclasses import dataclass, field
 from typing import Callable
@@ -53,6 +55,7 @@ class Built:
     backend: object               # what torch.compile was given (a sacpass Backend has .reports)
     label: str                    # the backend as the results name it
     fullgraph: bool = True        # compiled with fullgraph=True
+    settings: tuple = ()          # (module, name, value): kernel constants patched around each whole step
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,16 @@ class Variant:
             built = VARIANTS[name].build(self.layer, backend)
         self.fn, self.backend, self.backend_name, self.fullgraph = (built.fn, built.backend, built.label,
                                                                     built.fullgraph)
+        self.settings = built.settings
+
+    @contextlib.contextmanager
+    def kernel_settings(self):
+        """This variant's kernel constants patched (the CUDA kernels read them at every call), for a whole
+        step: the forward and the backward, whose kernels run after the variant's function has returned."""
+        with contextlib.ExitStack() as stack:
+            for module, name, value in self.settings:
+                stack.enter_context(mock.patch.object(importlib.import_module(module), name, value))
+            yield
 
     def __call__(self, x, positions, starts, ends, topk_ids=None):
         if self.dynamic:
@@ -214,16 +227,9 @@ def _sacpass_no_discrete(layer, backend):
 # ------------------------------------------------------------------ issue 13: the FP8 kernels, side by side
 def _with_kernel_settings(built: Built, settings) -> Built:
     """``built`` with CUDA kernel module constants ((module, name, value), read by the kernels per call)
-    patched around each call, so other kernel choices run beside the defaults in one process."""
-    import contextlib
-    import importlib
-
-    def fn(*args):
-        with contextlib.ExitStack() as stack:
-            for module, name, value in settings:
-                stack.enter_context(mock.patch.object(importlib.import_module(module), name, value))
-            return built.fn(*args)
-    return dataclasses.replace(built, fn=fn)
+    patched around each step, forward and backward (:meth:`Variant.kernel_settings`), so other kernel
+    choices run beside the defaults in one process."""
+    return dataclasses.replace(built, settings=built.settings + tuple(settings))
 
 
 _TOPK = "glm52_model.ops.cuda.dsa_topk_tl"
@@ -275,13 +281,15 @@ def _sacpass_bf16_experts(layer, backend):
 
 @variant("sacpass_fp8_experts", color="tab:red", ls=":")
 def _sacpass_fp8_experts(layer, backend):
-    """sacpass with the routed experts in tile-wise FP8 (glm52::fp8_grouped_mm; the bench preset's FP8 default)"""
+    """sacpass with the routed experts in tile-wise FP8 (glm52::fp8_grouped_mm; the bench preset's default with
+    fp8, where this equals sacpass)"""
     return _sacpass_variant(_precision(layer, experts=True), backend, "sacpass-fp8-experts")
 
 
 @variant("sacpass_fp8_indexer", color="tab:purple", ls=":")
 def _sacpass_fp8_indexer(layer, backend):
-    """sacpass with the indexer's logits from e4m3 q and k (same top-k op, k_scale given)"""
+    """sacpass with the indexer's logits from e4m3 q and k (same top-k op, k_scale given; experts as the preset
+    has them: FP8 in the bench preset with fp8)"""
     return _sacpass_variant(_precision(layer, indexer=True), backend, "sacpass-fp8-indexer")
 
 

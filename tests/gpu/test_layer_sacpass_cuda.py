@@ -43,12 +43,13 @@ def _step(fn, layer, x0, positions, starts, ends):
     return loss.detach().float(), topk.forward, topk.backward, grads
 
 
-def check_layer(device: str = "cuda", inner: str = "inductor") -> None:
-    """The test body; ``check_layer("cpu", "aot_eager")`` exercises the same logic on the CPU."""
+def check_layer(device: str = "cuda", inner: str = "inductor", fp8_experts: bool = True) -> None:
+    """The test body; ``check_layer("cpu", "aot_eager")`` exercises the same logic on the CPU. The bench
+    preset's FP8 recipe runs the routed experts in FP8 (``fp8_experts``); False: bf16 grouped GEMMs."""
     # bench() widths where the kernels need them (576/512 latent, 32 x 128 indexer), the rest shrunk
     cfg = GLM52Config.bench(hidden_size=1024, num_heads=16, q_lora_rank=512, qk_nope_head_dim=128,
                             v_head_dim=128, index_topk=256, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=256, fp8=True, recompute=True)
+                            moe_intermediate_size=256, fp8=True, fp8_experts=fp8_experts, recompute=True)
     base = _layer(cfg, device)
     S = 1024
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -88,8 +89,9 @@ def check_layer(device: str = "cuda", inner: str = "inductor") -> None:
         assert_similar(g_c[n], g_e[n], min_cos=0.998, max_rel=5e-2, what=f"control grad {n}")
 
 
-def test_compiled_layer_sacpass_inductor_cuda():
-    check_layer("cuda", "inductor")
+@pytest.mark.parametrize("fp8_experts", [True, False], ids=["fp8_experts", "bf16_experts"])
+def test_compiled_layer_sacpass_inductor_cuda(fp8_experts):
+    check_layer("cuda", "inductor", fp8_experts)
 
 
 if __name__ == "__main__":

@@ -435,8 +435,8 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
                             dkv_atomics: bool = True, dkv_slot_major: bool = False):
     """Warp-specialised backward for one 64-head block (GLM-5.2's heads): the signature and results of
     `build_sparse_mla_bwd`; one CTA per query, 384 threads in three warpgroups. H200, 64 heads, 16K, top-k
-    2048, chunk 64: 61.1 ms (194 TFLOP/s); with the dKV atomics ablated 21.8 ms, so the atomics below bound
-    it (ptxas, CUDA 13.0: 168 registers at launch, setmaxnreg 232/232/40; spill stores 796 B at chunk 64,
+    2048: 61.1 ms (194 TFLOP/s) at chunk 64; 64.1 ms at chunk 128, and 21.8 ms there with the dKV atomics
+    ablated, so the atomics below (42 ms) bound it (ptxas, CUDA 13.0: 168 registers at launch, setmaxnreg 232/232/40; spill stores 796 B at chunk 64,
     1012 B at 128, in the consumer warpgroups: mostly 64-bit wgmma descriptors kept across the slot loop).
 
     Shared memory (224 KiB dynamic at chunk 128): Q [64, 576] and dO [64, 512], kept in `chunk`-column
@@ -743,6 +743,9 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             pass_configs=BWD_PASS_CONFIGS),
         "sparse_mla_bwd_ws[h64,k2048]": lambda: tilelang.compile(
             build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=BWD_WS_CHUNK), target=target,
+            pass_configs=FWD_PASS_CONFIGS),
+        "sparse_mla_bwd_ws_chunk128[h64,k2048]": lambda: tilelang.compile(     # bench_kernels' other chunk
+            build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=128), target=target,
             pass_configs=FWD_PASS_CONFIGS),
         "sparse_mla_bwd_ws_slot_major[h64,k2048]": lambda: tilelang.compile(
             build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=BWD_WS_CHUNK,

@@ -1,0 +1,64 @@
+"""The layer benchmark's harness (benchmarks/layerbench): kernel settings a variant pins hold for its whole
+step, backward included, and every constant a variant pins exists where it says."""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from layerbench import variants as lv  # noqa: E402
+from layerbench.measure import step  # noqa: E402
+
+KERNEL_CHOICE = "default"            # patched by the variant below; read by the backward
+
+
+class _ReadsChoice(torch.autograd.Function):
+    """Identity; records KERNEL_CHOICE as the forward and the backward each see it."""
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        _ReadsChoice.seen.append(("forward", KERNEL_CHOICE))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _ReadsChoice.seen.append(("backward", KERNEL_CHOICE))
+        return g
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+
+def test_kernel_settings_hold_in_the_backward_too(monkeypatch):
+    """A kernel constant the CUDA kernels read per call must be patched while the backward runs, which is
+    after the variant's function has returned (it once covered only the forward, so a "previous kernels"
+    row ran today's backward kernels)."""
+    def build(layer, backend):
+        def fn(x, positions, starts, ends):
+            return _ReadsChoice.apply(x * layer.w), None
+        return lv._with_kernel_settings(lv.Built(fn, None, "test"), [(__name__, "KERNEL_CHOICE", "previous")])
+
+    monkeypatch.setitem(lv.VARIANTS, "_test_settings", lv.VariantSpec("_test_settings", build, "test"))
+    v = lv.Variant("_test_settings", _Tiny(), dynamic=False)
+    _ReadsChoice.seen.clear()
+    step(v, torch.randn(3, 4), None, None, None)
+    assert _ReadsChoice.seen == [("forward", "previous"), ("backward", "previous")]
+    assert KERNEL_CHOICE == "default", "the setting must not outlive the step"
+    assert v.layer.w.grad is not None
+
+
+def test_pinned_kernel_constants_exist():
+    """mock.patch.object fails on a missing attribute only when the step runs (on the GPU); check here."""
+    pytest.importorskip("tilelang", reason="TileLang not installed (pip install '.[cuda]')")
+    import glm52_model.ops  # noqa: F401  (the cuda package registers on the ops)
+    for module, name, value in lv.PREVIOUS_KERNELS + lv.FOUR_ROUND_SELECT:
+        mod = importlib.import_module(module)
+        assert hasattr(mod, name), f"{module}.{name} does not exist"
+        assert type(getattr(mod, name)) is type(value), f"{module}.{name}: {type(value).__name__} pinned"
