@@ -37,7 +37,8 @@ from glm52_model import GLM52Config  # noqa: E402
 from layerbench.measure import Clock, cold_compile_caches, counted_step, dynamo_counts, measure, time_topk  # noqa: E402
 from layerbench.plot import plot  # noqa: E402
 from layerbench.results import compile_rows, markdown, merge_into, new_result, save, targets  # noqa: E402
-from layerbench.variants import CONTROL, RUN_ORDER, VARIANTS, Variant, build_layer, make_inputs  # noqa: E402
+from layerbench.variants import (CONTROL, RUN_ORDER, VARIANTS, Variant, add_experts_option,  # noqa: E402
+                                 build_layer, experts_overrides, make_inputs)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,9 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps, the first compiles")
     p.add_argument("--topk-reps", type=int, default=10)
     p.add_argument("--no-fp8", action="store_true")
-    p.add_argument("--experts", default=None, choices=("fp8", "bf16"),
-                   help="routed-expert GEMMs: tile-wise FP8 (glm52::fp8_grouped_mm) or the compute dtype "
-                        "(default: the preset's; the bench preset runs them in FP8 with the FP8 linears)")
+    add_experts_option(p)
     p.add_argument("--fp8-indexer", action="store_true", help="the indexer's logits from e4m3 q and k")
     p.add_argument("--backend", default=None, choices=("inductor", "aot_eager"),
                    help="inner compiler of every variant (default: inductor on CUDA, aot_eager on CPU, where "
@@ -84,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def layer_config(args) -> GLM52Config:
     """One MoE layer computing top-k: the bench preset, or the tiny widths for a CPU smoke test."""
-    experts = {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
+    experts = experts_overrides(args)
     if args.preset == "tiny":
         return GLM52Config.tiny(fp8=not args.no_fp8, fp8_indexer=args.fp8_indexer, recompute=True,
                                 num_layers=1, first_k_dense=0, mtp_layers=0, **experts)

@@ -38,6 +38,7 @@ import sacpass.offload as offload_runtime  # noqa: E402
 from glm52_model import GLM52Config, GLM52ForCausalLM  # noqa: E402
 from glm52_model.compile import apply_ac, apply_compile  # noqa: E402
 from sacpass.testing import OpCounter  # noqa: E402
+from layerbench.variants import add_experts_option, experts_overrides  # noqa: E402
 
 
 def backends(args) -> dict:
@@ -55,9 +56,8 @@ def backends(args) -> dict:
 
 def build(args, device, dtype) -> GLM52ForCausalLM:
     torch.manual_seed(0)
-    experts = {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
     cfg = GLM52Config.preset(args.preset, num_layers=args.layers, mtp_layers=0, fp8=not args.no_fp8,
-                             first_k_dense=0, **experts)
+                             first_k_dense=0, **experts_overrides(args))
     with torch.device(device):
         model = GLM52ForCausalLM(cfg)
     return model.to(dtype)
@@ -137,8 +137,7 @@ def main(argv=None) -> dict:
     p.add_argument("--host-gib", type=float, default=4.0, help="planner host budget per layer (GiB)")
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--no-fp8", action="store_true")
-    p.add_argument("--experts", default=None, choices=("fp8", "bf16"),
-                   help="routed-expert GEMMs in tile-wise FP8 or the compute dtype (default: the preset's)")
+    add_experts_option(p)
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sacpass  # noqa: E402
 from glm52_model import GLM52Config  # noqa: E402
 from glm52_model.compile import apply_ac  # noqa: E402
-from layerbench.variants import CheckpointLayer, save_topk_context, build_layer, make_inputs  # noqa: E402
+from layerbench.variants import (CheckpointLayer, add_experts_option, build_layer,  # noqa: E402
+                                 experts_overrides, make_inputs, save_topk_context)
 
 
 def partition_of(fn_layer, be, inputs):
@@ -45,14 +46,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--preset", default="bench")
     p.add_argument("--inner", default="inductor")
-    p.add_argument("--experts", default=None, choices=("fp8", "bf16"),
-                   help="routed-expert GEMMs in tile-wise FP8 or the compute dtype (default: the preset's)")
+    add_experts_option(p)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    experts = {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
-    cfg = GLM52Config.preset(args.preset, fp8=True, recompute=True, **experts)
+    cfg = GLM52Config.preset(args.preset, fp8=True, recompute=True, **experts_overrides(args))
     base = build_layer(cfg, device, dtype)
     inputs = make_inputs(args.seq, cfg, device, dtype)
 

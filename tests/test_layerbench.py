@@ -62,3 +62,12 @@ def test_pinned_kernel_constants_exist():
         mod = importlib.import_module(module)
         assert hasattr(mod, name), f"{module}.{name} does not exist"
         assert type(getattr(mod, name)) is type(value), f"{module}.{name}: {type(value).__name__} pinned"
+
+
+def test_experts_option_maps_to_the_config_override():
+    import argparse
+    p = argparse.ArgumentParser()
+    lv.add_experts_option(p)
+    assert lv.experts_overrides(p.parse_args([])) == {}
+    assert lv.experts_overrides(p.parse_args(["--experts", "fp8"])) == {"fp8_experts": True}
+    assert lv.experts_overrides(p.parse_args(["--experts", "bf16"])) == {"fp8_experts": False}

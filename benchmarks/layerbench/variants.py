@@ -264,6 +264,18 @@ def _precision(layer: DecoderLayer, experts: bool | None = None, indexer: bool |
     return layer
 
 
+def add_experts_option(parser) -> None:
+    """``--experts {fp8,bf16}``: the routed-expert GEMMs of the benchmarks' models (default: the preset's)."""
+    parser.add_argument("--experts", default=None, choices=("fp8", "bf16"),
+                        help="routed-expert GEMMs: tile-wise FP8 (glm52::fp8_grouped_mm) or the compute dtype "
+                             "(default: the preset's; the bench preset runs them in FP8 with the FP8 linears)")
+
+
+def experts_overrides(args) -> dict:
+    """The ``GLM52Config`` overrides ``--experts`` asks for ({} keeps the preset's choice)."""
+    return {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
+
+
 @variant("sacpass_previous_kernels", color="tab:green", ls=":")
 def _sacpass_previous_kernels(layer, backend):
     """sacpass on the kernels as they were before issue 13 (serial sparse MLA forward and backward, 128-key

@@ -462,13 +462,9 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             32, 128, target_arch, torch.bfloat16, **({"block_Q": 4} | LOGITS_TUNABLES)),
         "indexer_logits_fp8[h32,d128]": lambda: compile_indexer_logits.__wrapped__(
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
-        "topk_select[k2048]": lambda: tilelang.compile(
-            build_topk_select(2048), target={"kind": "cuda", "arch": target_arch},
-            pass_configs=_SELECT_PASS_CONFIGS),
-        "topk_select_two_reads[k2048]": lambda: tilelang.compile(       # the op's select
-            build_topk_select(2048, candidates=SELECT_CANDIDATES, threads=SELECT_THREADS),
-            target={"kind": "cuda", "arch": target_arch},
-            pass_configs=_SELECT_PASS_CONFIGS),
+        "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
+        "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
+            2048, target_arch, candidates=SELECT_CANDIDATES, threads=SELECT_THREADS),
     }
 
 

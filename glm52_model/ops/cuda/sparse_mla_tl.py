@@ -692,65 +692,42 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
     return sparse_mla_bwd_ws
 
 
-@functools.lru_cache(maxsize=None)
-def compile_sparse_mla_fwd(heads: int, topk: int, sm_scale: float, target_arch: str = "sm_90a",
-                           **tunables):
-    return tilelang.compile(build_sparse_mla_fwd(heads, topk, sm_scale, **tunables),
-                            target={"kind": "cuda", "arch": target_arch},
-                            pass_configs=FWD_PASS_CONFIGS)
+def _compiler(build, pass_configs: dict):
+    """A cached ``(heads, topk, sm_scale, target_arch, **tunables) -> kernel`` compiling ``build``'s kernel;
+    one per kernel, so that tests and benchmarks can patch or wrap each."""
+    @functools.lru_cache(maxsize=None)
+    def compile_kernel(heads: int, topk: int, sm_scale: float, target_arch: str = "sm_90a", **tunables):
+        return tilelang.compile(build(heads, topk, sm_scale, **tunables),
+                                target={"kind": "cuda", "arch": target_arch}, pass_configs=pass_configs)
+    compile_kernel.__name__ = compile_kernel.__qualname__ = f"compile_{build.__name__.removeprefix('build_')}"
+    return compile_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def compile_sparse_mla_fwd_ws(heads: int, topk: int, sm_scale: float, target_arch: str = "sm_90a",
-                              **tunables):
-    # manual warp specialisation: TileLang's own (auto WS, TMA lowering) stays off, as for the others
-    return tilelang.compile(build_sparse_mla_fwd_ws(heads, topk, sm_scale, **tunables),
-                            target={"kind": "cuda", "arch": target_arch},
-                            pass_configs=FWD_PASS_CONFIGS)
-
-
-@functools.lru_cache(maxsize=None)
-def compile_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, target_arch: str = "sm_90a",
-                              **tunables):
-    # manual warp specialisation, like the forward's; no shared-memory merging (all buffers are live)
-    return tilelang.compile(build_sparse_mla_bwd_ws(heads, topk, sm_scale, **tunables),
-                            target={"kind": "cuda", "arch": target_arch},
-                            pass_configs=FWD_PASS_CONFIGS)
-
-
-@functools.lru_cache(maxsize=None)
-def compile_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, target_arch: str = "sm_90a",
-                           **tunables):
-    return tilelang.compile(build_sparse_mla_bwd(heads, topk, sm_scale, **tunables),
-                            target={"kind": "cuda", "arch": target_arch},
-                            pass_configs=BWD_PASS_CONFIGS)
+compile_sparse_mla_fwd = _compiler(build_sparse_mla_fwd, FWD_PASS_CONFIGS)
+# the warp-specialised kernels are specialised by hand: TileLang's own (auto WS, TMA lowering) stays off, and
+# the backward gets no shared-memory merging (all its buffers are live)
+compile_sparse_mla_fwd_ws = _compiler(build_sparse_mla_fwd_ws, FWD_PASS_CONFIGS)
+compile_sparse_mla_bwd_ws = _compiler(build_sparse_mla_bwd_ws, FWD_PASS_CONFIGS)
+compile_sparse_mla_bwd = _compiler(build_sparse_mla_bwd, BWD_PASS_CONFIGS)
 
 
 def ci_builds(target_arch: str = "sm_90a") -> dict:
-    """name -> thunk building (not running) one kernel of this family for `target_arch` (CI).
-    One head count (64, GLM-5.2's) per kernel; other head counts change only the tile sizes."""
+    """name -> thunk building (not running) one kernel of this family for `target_arch` (CI), through the
+    same compile functions the launchers call (uncached). One head count (64, GLM-5.2's) per kernel; other
+    head counts change only the tile sizes."""
     scale = 576 ** -0.5
-    target = {"kind": "cuda", "arch": target_arch}
-    return {
-        "sparse_mla_fwd[h64,k2048]": lambda: tilelang.compile(
-            build_sparse_mla_fwd(64, 2048, scale, block_I=FWD_BLOCK_I), target=target,
-            pass_configs=FWD_PASS_CONFIGS),
-        "sparse_mla_fwd_ws[h64,k2048]": lambda: tilelang.compile(
-            build_sparse_mla_fwd_ws(64, 2048, scale, block_I=FWD_BLOCK_I), target=target,
-            pass_configs=FWD_PASS_CONFIGS),
-        "sparse_mla_bwd[h64,k2048]": lambda: tilelang.compile(
-            build_sparse_mla_bwd(64, 2048, scale, **bwd_tunables(64)), target=target,
-            pass_configs=BWD_PASS_CONFIGS),
-        "sparse_mla_bwd_ws[h64,k2048]": lambda: tilelang.compile(
-            build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=BWD_WS_CHUNK), target=target,
-            pass_configs=FWD_PASS_CONFIGS),
-        "sparse_mla_bwd_ws_chunk128[h64,k2048]": lambda: tilelang.compile(     # bench_kernels' other chunk
-            build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=128), target=target,
-            pass_configs=FWD_PASS_CONFIGS),
-        "sparse_mla_bwd_ws_slot_major[h64,k2048]": lambda: tilelang.compile(
-            build_sparse_mla_bwd_ws(64, 2048, scale, block_I=BWD_WS_BLOCK_I, chunk=BWD_WS_CHUNK,
-                                    dkv_slot_major=True), target=target, pass_configs=FWD_PASS_CONFIGS),
+    ws = {"block_I": BWD_WS_BLOCK_I, "chunk": BWD_WS_CHUNK}
+    builds = {
+        "sparse_mla_fwd[h64,k2048]": (compile_sparse_mla_fwd, {"block_I": FWD_BLOCK_I}),
+        "sparse_mla_fwd_ws[h64,k2048]": (compile_sparse_mla_fwd_ws, {"block_I": FWD_BLOCK_I}),
+        "sparse_mla_bwd[h64,k2048]": (compile_sparse_mla_bwd, bwd_tunables(64)),
+        "sparse_mla_bwd_ws[h64,k2048]": (compile_sparse_mla_bwd_ws, ws),
+        # bench_kernels' other chunk width, and the other dKV layout
+        "sparse_mla_bwd_ws_chunk128[h64,k2048]": (compile_sparse_mla_bwd_ws, {**ws, "chunk": 128}),
+        "sparse_mla_bwd_ws_slot_major[h64,k2048]": (compile_sparse_mla_bwd_ws, {**ws, "dkv_slot_major": True}),
     }
+    return {name: functools.partial(fn.__wrapped__, 64, 2048, scale, target_arch, **tun)
+            for name, (fn, tun) in builds.items()}
 
 
 # --------------------------------------------------------------------------------------------------
