@@ -83,7 +83,7 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     scale = 128 ** -0.5
     q8, k8, w8, ks = quantize_indexer(q, k, w)
     row = {"S": S, "heads": 32, "dim": 128, "topk": topk, "logits_tunables": tl.LOGITS_TUNABLES,
-           "select_candidates": tl.SELECT_CANDIDATES, "select_threads": tl.SELECT_THREADS,
+           "select_tunables": tl.select_tunables(),
            "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
     row["tilelang_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale),
                                       reps=reps)
@@ -95,6 +95,13 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     overlap = id_overlap(tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), ids)
     row["fp8_id_overlap_mean"] = float(overlap.mean())
     row["fp8_id_overlap_min"] = float(overlap.min())
+    # the same op with the kernels it ran before this session's changes, side by side
+    with mock.patch.object(tl, "LOGITS_TUNABLES", PREVIOUS_LOGITS), \
+            mock.patch.multiple(tl, **{f"SELECT_{k.upper()}": v for k, v in PREVIOUS_SELECT.items()}):
+        row["fp8_previous_kernels_ms"] = cuda_time_ms(
+            lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), reps=reps)
+        row["previous_kernels_ms"] = cuda_time_ms(
+            lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
     if not parts:
         return row, ids
     with mock.patch.object(tl, "SELECT_CANDIDATES", 0):                          # the four-round select, side by side
@@ -114,10 +121,12 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     if reference:
         row["torch_topk_on_logits_ms"] = cuda_time_ms(lambda: torch.topk(logits, topk, dim=1), reps=reps)
     # the op's two-read select (12-bit first round, threshold bin in shared memory) on the same logits
-    sk2 = tl.compile_topk_select(topk, tl.cuda_target()["arch"], candidates=tl.SELECT_CANDIDATES,
-                                 threads=tl.SELECT_THREADS)
+    sk2 = tl.select_kernel(topk, tl.cuda_target()["arch"])
     out2 = torch.empty_like(out)
     row["select_two_reads_ms"] = cuda_time_ms(lambda: sk2(logits, starts, ends, out2), reps=reps)
+    # the op's select until 2026-12 (one score per load, per-key atomics, the sort in shared memory)
+    sk1 = tl.compile_topk_select(topk, tl.cuda_target()["arch"], **PREVIOUS_SELECT)
+    row["select_previous_ms"] = cuda_time_ms(lambda: sk1(logits, starts, ends, out), reps=reps)
     sk(logits, starts, ends, out)
     row["select_two_reads_same_set_rows"] = float(
         (torch.sort(out, 1).values == torch.sort(out2, 1).values).all(1).float().mean())
@@ -200,10 +209,11 @@ def sweep_logits(S, reps, names=None):
     ids = torch.empty_like(ref_ids)
     tl.compile_topk_select(topk, arch, candidates=3072, threads=1024)(want["bf16"], starts, ends, ref_ids)
     ref_sorted = torch.sort(ref_ids, 1).values
-    for threads, cand in SELECT_SWEEP:
-        row = {"S": S, "config": f"select_t{threads}_c{cand}", "threads": threads, "candidates": cand}
+    for name, over in SELECT_SWEEP.items():
+        tun = tl.select_tunables() | over
+        row = {"S": S, "config": f"select_{name}", **tun}
         try:
-            sk = tl.compile_topk_select(topk, arch, candidates=cand, threads=threads)
+            sk = tl.compile_topk_select(topk, arch, **tun)
             row["ms"] = cuda_time_ms(lambda: sk(want["bf16"], starts, ends, ids), reps=reps)
             row["same_set_rows"] = float((torch.sort(ids, 1).values == ref_sorted).all(1).float().mean())
         except Exception as e:
@@ -214,7 +224,17 @@ def sweep_logits(S, reps, names=None):
     return rows
 
 
-SELECT_SWEEP = ((1024, 3072), (512, 3072), (256, 3072), (1024, 0), (512, 0), (512, 2048), (1024, 4096))
+# The top-k op's kernels before issue 13's fourth H200 session (2026-12-02), timed beside today's
+PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False}
+PREVIOUS_SELECT = {"candidates": 2048, "threads": 512, "vec": 1, "sort_elems": 0, "warp_append": False}
+SELECT_SWEEP = {
+    "default": {},
+    "previous": PREVIOUS_SELECT,
+    "shared_sort": {"sort_elems": 0},
+    "lane_atomics": {"warp_append": False},
+    "vec1": {"vec": 1},
+    "hist_aggregate": {"hist_aggregate": True},
+}
 
 
 def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
@@ -323,8 +343,8 @@ def bench_mla(S, H, idx, reps, with_reference):
         except Exception as e:  # noqa: BLE001
             row["bwd_pipelined_error"] = f"{type(e).__name__}: {e}"[:500]
         else:
-            # last, as a kernel that has not yet run on a GPU may leave the CUDA context unusable: the
-            # other dKV layout (BWD_WS_DKV), slot-major on mma.sync with x2 atomics, or latent-major
+            # last (a kernel choice that fails may leave the CUDA context unusable): the other dKV layout
+            # (BWD_WS_DKV), latent-major on wgmma with scalar atomics, or slot-major
             other_dkv = "slot" if tl.BWD_WS_DKV == "latent" else "latent"
             key = f"bwd_pipelined_dkv_{other_dkv}"
             try:
@@ -408,8 +428,13 @@ def main(argv=None):
     p.add_argument("--topk-op-seq", default="", help="lengths at which to time only the top-k op (bf16, FP8; rows in 'topk')")
     p.add_argument("--logits-sweep", default="", help="sequence lengths for the logits kernel's tile sweep")
     p.add_argument("--logits-configs", default="", help="LOGITS_SWEEP names to run (default: all)")
+    p.add_argument("--logits-tunables", default="",
+                   help="JSON overrides of the op's LOGITS_TUNABLES for this whole run (recorded in the rows)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.logits_tunables:
+        from glm52_model.ops.cuda import dsa_topk_tl as tl
+        tl.LOGITS_TUNABLES = tl.LOGITS_TUNABLES | json.loads(args.logits_tunables)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
     import tilelang

@@ -242,6 +242,9 @@ PREVIOUS_KERNELS = (
     (_TOPK, "LOGITS_BUDGET_BYTES", 1 << 30),
     (_TOPK, "SELECT_CANDIDATES", 3072),
     (_TOPK, "SELECT_THREADS", 1024),
+    (_TOPK, "SELECT_VEC", 1),
+    (_TOPK, "SELECT_SORT_ELEMS", 0),
+    (_TOPK, "SELECT_WARP_APPEND", False),
     ("glm52_model.ops.cuda.fp8_quant_tl", "DENSE", False),
 )
 

@@ -150,18 +150,40 @@ def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed)
     assert float(overlap.mean()) >= 0.9
 
 
-@pytest.mark.parametrize("candidates", [3072, 64])   # 64: every long row overflows into the fallback rounds
-def test_two_read_select_matches_the_four_round_select(candidates):
+OP_SELECT = "op"          # the op's select_tunables(), read when the test runs
+
+
+@pytest.mark.parametrize("tunables", [
+    {"candidates": 64},                                                         # one score per load, shared sort
+    OP_SELECT, {"candidates": 64, "base": OP_SELECT},                           # the op's, and it overflowing
+    {"candidates": 0, "base": OP_SELECT},                                       # four rounds, op's loads/sort
+    {"sort_elems": 16, "threads": 256, "vec": 8, "warp_append": False, "base": OP_SELECT},
+    {"hist_aggregate": True, "base": OP_SELECT}, {"hist_aggregate": True, "candidates": 64, "base": OP_SELECT},
+], ids=lambda t: "op" if t == OP_SELECT else "-".join(f"{k}{v}" for k, v in t.items() if k != "base")
+         + ("-op" if isinstance(t, dict) and "base" in t else ""))
+def test_two_read_select_matches_the_four_round_select(tunables):
     """The two-read select (12-bit first round, threshold bin in shared memory) is a correct top-k up to
-    ties on the same logits, including rows whose threshold bin overflows shared memory."""
+    ties on the same logits, including rows whose threshold bin overflows shared memory (candidates=64);
+    with one score per load and with vector loads (vec; rows that start and end off a vector's edge),
+    per-key or per-warp atomics for the winners' slots, and the sort in shared memory or in registers."""
+    if tunables == OP_SELECT:
+        tunables = tl_ops.select_tunables()
+    elif tunables.get("base") == OP_SELECT:
+        tunables = tl_ops.select_tunables() | {k: v for k, v in tunables.items() if k != "base"}
     S, H, D, topk = 3000, 32, 128, 2048
-    q, k, w, starts, ends = _inputs(S, H, D, packed=True, seed=7)
+    q, k, w, _, ends = _inputs(S, H, D, seed=7)
+    bounds = torch.tensor([0, 1001, 1503], device="cuda", dtype=torch.int32)   # documents off a vector edge
+    starts = bounds[(torch.arange(S, device="cuda")[:, None] >= bounds[None]).sum(1) - 1]
     scores = ref_dsa_scores(q, k, w, starts, ends, D ** -0.5)                  # -inf outside the range
+    Sp = -(-S // tl_ops.BLOCK_N) * tl_ops.BLOCK_N                              # rows padded as the op pads them
+    scores = torch.nn.functional.pad(scores, (0, Sp - S), value=float("-inf"))
+    assert bool((starts % 4 != 0).any()) and bool((ends % 4 != 0).any()), "no row starts off a vector edge"
     arch = tl_ops.cuda_target()["arch"]
     four = torch.empty(S, topk, dtype=torch.int32, device="cuda")
     two = torch.empty_like(four)
     tl_ops.compile_topk_select(topk, arch)(scores, starts, ends, four)
-    tl_ops.compile_topk_select(topk, arch, candidates=candidates)(scores, starts, ends, two)
+    tl_ops.compile_topk_select(topk, arch, **tunables)(scores, starts, ends, two)
     _check_rows(two, scores, topk, starts, ends)
     same = (torch.sort(two, 1).values == torch.sort(four, 1).values).all(1)
     assert float(same.float().mean()) >= 0.99
+

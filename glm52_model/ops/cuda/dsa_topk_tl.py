@@ -119,24 +119,69 @@ def _ordered_key(x):
     return T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
 
 
-def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
+def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
+                      warp_append: bool = False, hist_aggregate: bool = False):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
-    ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 8 bits), one
+    ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
     pass sends the keys above the threshold bin to the winners and copies the threshold bin's keys (up to
     ``candidates`` of them) to shared memory, where the three other rounds and the final gather run. A row
     whose threshold bin holds more keys runs the three rounds on the row as before. ``candidates=0`` builds
-    exactly the four-round kernel.
+    the four-round kernel.
+
+    The rest are about the shared-memory pipe, which bounds this kernel (Nsight Compute on the H200, S=16K:
+    L1/shared 93% busy, DRAM 4%; benchmarks/results/ncu_topk_16k_h200.txt):
+
+    - ``vec``: scores each thread loads per trip over the row, as one vector load (seq_k must then be a
+      multiple of ``vec``; the launcher pads rows to BLOCK_N).
+    - ``warp_append``: a key that joins the winners or the candidates takes its slot from one atomic per
+      warp (ballot, popc, shuffle) instead of one per key on the same shared counter (which serialises).
+    - ``sort_elems > 0``: the final bitonic sort keeps ``sort_elems`` (key, id) pairs per thread in
+      registers: the stages whose partner is in the same thread or warp run in registers or through warp
+      shuffles, only the few with a partner in another warp through shared memory (66 shared-memory stages
+      for 2048 ids, with a barrier each, become 6). ``0``: every stage through shared memory.
+    - ``hist_aggregate`` (with ``candidates``): the first round's histogram takes one atomic per distinct bin
+      per warp (``match_any``; the lowest lane of each group adds the group's size) instead of one per key;
+      keys of a row that fall in few bins otherwise serialise on them. Built for the next measurement; the
+      op does not use it.
     """
-    sort_n = next_pow2(topk)
+    sort_n = max(next_pow2(topk), 32 if sort_elems else 1)
     log_n = sort_n.bit_length() - 1
     pairs = sort_n // 2
+    if sort_elems:
+        E = min(max(sort_elems, sort_n // threads), sort_n // 32)      # pairs per sorting thread
+        sort_threads = sort_n // E                                     # whole warps
+        assert E & (E - 1) == 0 and sort_threads <= threads and sort_threads % 32 == 0, (E, sort_threads)
     seq_q = T.dynamic("seq_q")
-    seq_k = T.dynamic("seq_k")
+    seq_k = T.dynamic("seq_k_vecs") * vec                        # a multiple of vec: aligned vector loads
     per = FIRST_BINS // threads                                  # first-round bins per thread
     if candidates:
         assert threads & (threads - 1) == 0 and per * threads == FIRST_BINS, "threads must divide 4096"
     hist_n = (FIRST_BINS if candidates else RADIX) + 1
+    FLIP = T.uint32(0xFFFFFFFF)
+
+    @T.macro
+    def append(tx, pred, counter, wb, slot):
+        # slot[0] <- where this thread's key goes when `pred`: the counter's value before it. With warp_append
+        # every lane of the warp must get here (the ballot), whatever its `pred`.
+        if warp_append:
+            lane = tx % 32
+            ballot = T.Cast(T.uint32, T.ballot_sync(pred))
+            wb[0] = 0
+            if (lane == 0) & (ballot != T.uint32(0)):
+                wb[0] = T.atomic_add(counter, T.Cast(T.int32, T.popcount(ballot)), return_prev=True)
+            slot[0] = T.shfl_sync(wb[0], 0) + T.Cast(
+                T.int32, T.popcount(ballot & ((T.uint32(1) << T.Cast(T.uint32, lane)) - T.uint32(1))))
+        else:
+            if pred:
+                slot[0] = T.atomic_add(counter, 1, return_prev=True)
+
+    @T.macro
+    def take_other(mk, mi, ok, oi, lower, asc):
+        # bitonic compare-exchange seen from one side: whether this side takes the other's (key, id); the
+        # lower index keeps the smaller pair when the block sorts ascending, the larger when descending
+        return T.if_then_else(lower == asc, (mk > ok) | ((mk == ok) & (mi > oi)),
+                              (ok > mk) | ((ok == mk) & (oi > mi)))
 
     @T.prim_func
     def topk_select(
@@ -158,6 +203,11 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                 cnt = T.alloc_shared([1], T.int32)  # how many keys the threshold bin holds
                 ncand = T.alloc_var(T.int32)
                 kid = T.alloc_var(T.int32)
+            if sort_elems:
+                rk = T.alloc_local([E], T.uint32)  # this thread's pairs while sorting
+                ri = T.alloc_local([E], T.int32)
+                ok = T.alloc_var(T.uint32)
+                oi = T.alloc_var(T.int32)
 
             start = T.alloc_var(T.int32)
             end = T.alloc_var(T.int32)
@@ -166,9 +216,11 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
             krem = T.alloc_var(T.int32)
             val = T.alloc_var(T.int32)
             bin_ = T.alloc_var(T.int32)
-            pos = T.alloc_var(T.int32)
             key = T.alloc_var(T.uint32)
             x = T.alloc_var(T.float32)
+            xv = T.alloc_local([vec], T.float32)
+            slot = T.alloc_local([1], T.int32)
+            wb = T.alloc_local([1], T.int32)
             ak = T.alloc_var(T.uint32)
             bk = T.alloc_var(T.uint32)
             ai = T.alloc_var(T.int32)
@@ -181,11 +233,13 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
             krem = topk
             n_valid = end - start
             n_iter = T.ceildiv(T.max(n_valid, 0), threads)
+            base_v = start // vec                                        # the row's first vector
+            n_vit = T.ceildiv(T.max(end - base_v * vec, 0), threads * vec)
 
             for it in T.serial(T.ceildiv(sort_n, threads)):
                 p = it * threads + tx
                 if p < sort_n:
-                    skey[p] = T.uint32(0xFFFFFFFF)
+                    skey[p] = FLIP
                     sidx[p] = _INT_MAX
             if tx < 4:
                 ctl[tx] = 0
@@ -202,12 +256,28 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                     if p <= FIRST_BINS:
                         hist[p] = 0
                 T.sync_threads()
-                for it in T.serial(n_iter):
-                    j = start + it * threads + tx
-                    if j < end:
-                        x = Logits[row, j]
-                        key = _ordered_key(x)
-                        T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
+                for it in T.serial(n_vit):
+                    jb = (base_v + it * threads + tx) * vec
+                    if hist_aggregate:                       # every lane runs every trip (the match)
+                        for v in T.vectorized(vec):
+                            xv[v] = T.if_then_else(jb < end, Logits[row, (base_v + it * threads + tx) * vec + v],
+                                                   0)
+                        for v in T.unroll(vec):
+                            # lanes without a key match on FIRST_BINS, a bin no key has
+                            bin_ = T.if_then_else((jb + v >= start) & (jb + v < end),
+                                                  T.Cast(T.int32, _ordered_key(xv[v]) >> T.uint32(32 - FIRST_BITS)),
+                                                  FIRST_BINS)
+                            peers = T.match_any_sync(bin_)
+                            if (bin_ < FIRST_BINS) & ((peers & ((T.uint32(1) << T.Cast(T.uint32, tx % 32))
+                                                                - T.uint32(1))) == T.uint32(0)):
+                                T.atomic_add(hist[bin_], T.Cast(T.int32, T.popcount(peers)))
+                    elif jb < end:
+                        for v in T.vectorized(vec):
+                            xv[v] = Logits[row, (base_v + it * threads + tx) * vec + v]
+                        for v in T.unroll(vec):
+                            if (jb + v >= start) & (jb + v < end):
+                                key = _ordered_key(xv[v])
+                                T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
                 T.sync_threads()
                 # suffix sums: each thread owns `per` consecutive bins; scan the threads' totals
                 val = 0
@@ -236,21 +306,25 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                 krem = krem - ctl[3]
                 prefix = T.Cast(T.uint32, bin_) << T.uint32(32 - FIRST_BITS)
                 pmask = T.uint32((FIRST_BINS - 1) << (32 - FIRST_BITS))
-                # one pass: keys above the bin are winners; the bin's keys go to shared memory
-                for it in T.serial(n_iter):
-                    j = start + it * threads + tx
-                    if j < end:
-                        x = Logits[row, j]
-                        key = _ordered_key(x)
-                        if (key & pmask) > prefix:
-                            pos = T.atomic_add(ctl[1], 1, return_prev=True)
-                            skey[pos] = key ^ T.uint32(0xFFFFFFFF)
-                            sidx[pos] = j
-                        elif (key & pmask) == prefix:
-                            pos = T.atomic_add(cnt[0], 1, return_prev=True)
-                            if pos < candidates:
-                                ckey[pos] = key
-                                cidx[pos] = j
+                # one pass: keys above the bin are winners; the bin's keys go to shared memory. Every lane runs
+                # every trip (the warp's appends); lanes past the row's end carry no key.
+                for it in T.serial(n_vit):
+                    jb = (base_v + it * threads + tx) * vec
+                    for v in T.vectorized(vec):
+                        xv[v] = T.if_then_else(jb < end, Logits[row, (base_v + it * threads + tx) * vec + v], 0)
+                    for v in T.unroll(vec):
+                        key = _ordered_key(xv[v])
+                        append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1], wb,
+                               slot)
+                        if (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix):
+                            skey[slot[0]] = key ^ FLIP
+                            sidx[slot[0]] = jb + v
+                        append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix), cnt[0], wb,
+                               slot)
+                        if (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix):
+                            if slot[0] < candidates:
+                                ckey[slot[0]] = key
+                                cidx[slot[0]] = jb + v
                 T.sync_threads()
                 ncand = cnt[0]
                 # rounds 1-3 and the gather: on the candidates in shared memory, or on the row when the
@@ -299,6 +373,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                 T.sync_threads()
                 for it in T.serial(T.ceildiv(n_src, threads)):
                     c = it * threads + tx
+                    key = T.uint32(0)
+                    kid = 0
                     if c < n_src:
                         if ncand <= candidates:
                             key = ckey[c]
@@ -307,15 +383,15 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                             x = Logits[row, start + c]
                             key = _ordered_key(x)
                             kid = start + c
-                        if key > prefix:
-                            pos = T.atomic_add(ctl[1], 1, return_prev=True)
-                            skey[pos] = key ^ T.uint32(0xFFFFFFFF)
-                            sidx[pos] = kid
-                        elif key == prefix:
-                            pos = T.atomic_add(ctl[2], 1, return_prev=True)
-                            if pos < krem:
-                                skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
-                                sidx[topk - krem + pos] = kid
+                    append(tx, (c < n_src) & (key > prefix), ctl[1], wb, slot)
+                    if (c < n_src) & (key > prefix):
+                        skey[slot[0]] = key ^ FLIP
+                        sidx[slot[0]] = kid
+                    append(tx, (c < n_src) & (key == prefix), ctl[2], wb, slot)
+                    if (c < n_src) & (key == prefix):
+                        if slot[0] < krem:
+                            skey[topk - krem + slot[0]] = key ^ FLIP
+                            sidx[topk - krem + slot[0]] = kid
             elif n_valid > topk:
                 # radix select: find the exact 32-bit key of the k-th largest score
                 for rnd in T.serial(4):
@@ -326,13 +402,17 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                         if p <= RADIX:
                             hist[p] = 0
                     T.sync_threads()
-                    for it in T.serial(n_iter):
-                        j = start + it * threads + tx
-                        if j < end:
-                            x = Logits[row, j]
-                            key = _ordered_key(x)
-                            if (key & pmask) == prefix:
-                                T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
+                    for it in T.serial(n_vit):
+                        jb = (base_v + it * threads + tx) * vec
+                        if jb < end:
+                            for v in T.vectorized(vec):
+                                xv[v] = Logits[row, (base_v + it * threads + tx) * vec + v]
+                            for v in T.unroll(vec):
+                                if (jb + v >= start) & (jb + v < end):
+                                    key = _ordered_key(xv[v])
+                                    if (key & pmask) == prefix:
+                                        T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))],
+                                                     1)
                     # suffix sums over the RADIX bins (Hillis-Steele)
                     for step in T.serial(RADIX_BITS):
                         T.sync_threads()
@@ -354,59 +434,118 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0):
                     pmask = pmask | (T.uint32(RADIX - 1) << shift)
                 T.sync_threads()
                 # gather: all keys > threshold, then `krem` of the keys == threshold
-                for it in T.serial(n_iter):
-                    j = start + it * threads + tx
-                    if j < end:
-                        x = Logits[row, j]
-                        key = _ordered_key(x)
-                        if key > prefix:
-                            pos = T.atomic_add(ctl[1], 1, return_prev=True)
-                            skey[pos] = key ^ T.uint32(0xFFFFFFFF)
-                            sidx[pos] = j
-                        elif key == prefix:
-                            pos = T.atomic_add(ctl[2], 1, return_prev=True)
-                            if pos < krem:
-                                skey[topk - krem + pos] = key ^ T.uint32(0xFFFFFFFF)
-                                sidx[topk - krem + pos] = j
+                for it in T.serial(n_vit):
+                    jb = (base_v + it * threads + tx) * vec
+                    for v in T.vectorized(vec):
+                        xv[v] = T.if_then_else(jb < end, Logits[row, (base_v + it * threads + tx) * vec + v], 0)
+                    for v in T.unroll(vec):
+                        key = _ordered_key(xv[v])
+                        append(tx, (jb + v >= start) & (jb + v < end) & (key > prefix), ctl[1], wb, slot)
+                        if (jb + v >= start) & (jb + v < end) & (key > prefix):
+                            skey[slot[0]] = key ^ FLIP
+                            sidx[slot[0]] = jb + v
+                        append(tx, (jb + v >= start) & (jb + v < end) & (key == prefix), ctl[2], wb, slot)
+                        if (jb + v >= start) & (jb + v < end) & (key == prefix):
+                            if slot[0] < krem:
+                                skey[topk - krem + slot[0]] = key ^ FLIP
+                                sidx[topk - krem + slot[0]] = jb + v
             else:
                 T.sync_threads()
                 for it in T.serial(n_iter):
                     j = start + it * threads + tx
                     if j < end:
                         x = Logits[row, j]
-                        skey[j - start] = _ordered_key(x) ^ T.uint32(0xFFFFFFFF)
+                        skey[j - start] = _ordered_key(x) ^ FLIP
                         sidx[j - start] = j
 
             # bitonic sort ascending by (skey, sidx)
-            for kk in T.serial(log_n):
-                for jj in T.serial(kk + 1):
-                    T.sync_threads()
-                    sh = kk - jj
-                    for it in T.serial(T.ceildiv(pairs, threads)):
-                        p = it * threads + tx
-                        if p < pairs:
-                            a = ((p >> sh) << (sh + 1)) | (p & ((1 << sh) - 1))
-                            b = a + (1 << sh)
-                            ak = skey[a]
-                            bk = skey[b]
-                            ai = sidx[a]
-                            bi = sidx[b]
-                            if ((ak > bk) | ((ak == bk) & (ai > bi))) == ((a & (2 << kk)) == 0):
-                                skey[a] = bk
-                                skey[b] = ak
-                                sidx[a] = bi
-                                sidx[b] = ai
-            T.sync_threads()
-            for it in T.serial(T.ceildiv(topk, threads)):
-                p = it * threads + tx
-                if p < topk:
-                    Out[row, p] = T.if_then_else(sidx[p] == _INT_MAX, -1, sidx[p])
+            if sort_elems:
+                # element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread
+                # (d < E), the same warp (d < 32 E: a shuffle) or another warp (shared memory)
+                T.sync_threads()
+                if tx < sort_threads:
+                    for e in T.vectorized(E):
+                        rk[e] = skey[tx * E + e]
+                    for e in T.vectorized(E):
+                        ri[e] = sidx[tx * E + e]
+                for kk in T.unroll(log_n, explicit=True):
+                    for jj in T.unroll(log_n, explicit=True):
+                        if jj <= kk:
+                            if (1 << (kk - jj)) < E:
+                                if tx < sort_threads:
+                                    for e in T.unroll(E, explicit=True):
+                                        if (e & (1 << (kk - jj))) == 0:
+                                            ak = rk[e]
+                                            ai = ri[e]
+                                            bk = rk[e | (1 << (kk - jj))]
+                                            bi = ri[e | (1 << (kk - jj))]
+                                            if take_other(ak, ai, bk, bi, True, ((tx * E + e) & (2 << kk)) == 0):
+                                                rk[e] = bk
+                                                ri[e] = bi
+                                                rk[e | (1 << (kk - jj))] = ak
+                                                ri[e | (1 << (kk - jj))] = ai
+                            elif (1 << (kk - jj)) < 32 * E:
+                                if tx < sort_threads:                # whole warps: full-mask shuffles
+                                    for e in T.unroll(E, explicit=True):
+                                        ok = T.shfl_xor(rk[e], (1 << (kk - jj)) // E)
+                                        oi = T.shfl_xor(ri[e], (1 << (kk - jj)) // E)
+                                        if take_other(rk[e], ri[e], ok, oi, (tx & ((1 << (kk - jj)) // E)) == 0,
+                                                      ((tx * E + e) & (2 << kk)) == 0):
+                                            rk[e] = ok
+                                            ri[e] = oi
+                            else:
+                                T.sync_threads()
+                                if tx < sort_threads:
+                                    for e in T.vectorized(E):
+                                        skey[tx * E + e] = rk[e]
+                                    for e in T.vectorized(E):
+                                        sidx[tx * E + e] = ri[e]
+                                T.sync_threads()
+                                if tx < sort_threads:
+                                    for e in T.unroll(E, explicit=True):
+                                        ok = skey[(tx ^ ((1 << (kk - jj)) // E)) * E + e]
+                                        oi = sidx[(tx ^ ((1 << (kk - jj)) // E)) * E + e]
+                                        if take_other(rk[e], ri[e], ok, oi, (tx & ((1 << (kk - jj)) // E)) == 0,
+                                                      ((tx * E + e) & (2 << kk)) == 0):
+                                            rk[e] = ok
+                                            ri[e] = oi
+                if tx < sort_threads:
+                    for e in T.unroll(E, explicit=True):
+                        if tx * E + e < topk:
+                            Out[row, tx * E + e] = T.if_then_else(ri[e] == _INT_MAX, -1, ri[e])
+            else:
+                for kk in T.serial(log_n):
+                    for jj in T.serial(kk + 1):
+                        T.sync_threads()
+                        sh = kk - jj
+                        for it in T.serial(T.ceildiv(pairs, threads)):
+                            p = it * threads + tx
+                            if p < pairs:
+                                a = ((p >> sh) << (sh + 1)) | (p & ((1 << sh) - 1))
+                                b = a + (1 << sh)
+                                ak = skey[a]
+                                bk = skey[b]
+                                ai = sidx[a]
+                                bi = sidx[b]
+                                if ((ak > bk) | ((ak == bk) & (ai > bi))) == ((a & (2 << kk)) == 0):
+                                    skey[a] = bk
+                                    skey[b] = ak
+                                    sidx[a] = bi
+                                    sidx[b] = ai
+                T.sync_threads()
+                for it in T.serial(T.ceildiv(topk, threads)):
+                    p = it * threads + tx
+                    if p < topk:
+                        Out[row, p] = T.if_then_else(sidx[p] == _INT_MAX, -1, sidx[p])
 
     return topk_select
 
 
 # The select kernel places every barrier itself (the automatic pass would add one per loop trip).
-_SELECT_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+# Every read of the scores is in bounds by construction (j < end <= seq_k, and vec divides seq_k), so the
+# safe-memory pass's per-element guard, which also stops the vector loads, is off.
+_SELECT_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+                        tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
 _IN_DTYPES = {torch.bfloat16: T.bfloat16, torch.float8_e4m3fn: T.float8_e4m3fn}
@@ -428,6 +567,11 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # warpgroup per CTA with 64-key tiles and no producer warps, so several CTAs share an SM and one's epilogue
 # runs under another's MMAs: 8.76 ms bf16 / 6.01 ms FP8, against 10.04 / 11.00 for the 128-key tiles with a
 # producer warpgroup (the two math warpgroups then wait for their MMAs together, and FP8 gained nothing).
+# What bounds it (Nsight Compute, S=16K FP8, benchmarks/results/ncu_topk_16k_h200.txt): latency, not a pipe:
+# issue slots 57% busy, ALU 40%, the tensor pipe less, with 3 CTAs (12 warps) per SM, limited by registers.
+# A version that ran tile t+1's MMA asynchronously into a second accumulator under tile t's epilogue (a ring
+# of four key tiles; 2026-12-02) was slower: 12.67 ms bf16 at 32K against 8.93 in the same run (2 CTAs per
+# SM), so it was dropped.
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False}
 
 
@@ -442,9 +586,26 @@ def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str)
 # kernel. H200 (bench_kernels.py --logits-sweep, same logits), ms at 32K / 64K: four rounds, 1024 threads 7.35 /
 # 22.9; two reads, 1024 threads, 3072 candidates 6.47 / 16.6; 512 threads, 2048 candidates 5.51 / 14.5 (less
 # shared memory: more rows' CTAs per SM). All pass tests/gpu/test_dsa_topk_cuda.py, including rows whose
-# threshold bin overflows into the fallback rounds.
+# threshold bin overflows into the fallback rounds. Then (2026-12-02) vector loads, per-warp slot atomics and
+# the register sort: the FP8 op at 64K 41.5 ms against 43.0 with the select before them, at 128K 153.1 against
+# 163.8 (benchmarks/results/bench_kernels_run10_h200.json; vector loads alone, at 32K: 5.40 against 5.76 ms).
 SELECT_CANDIDATES = 2048
 SELECT_THREADS = 512  # threads per row's CTA (a power of two dividing 4096 for the two-read select)
+SELECT_VEC = 4        # scores per thread per trip over the row (one float4 load); must divide BLOCK_N
+SELECT_SORT_ELEMS = 8  # (key, id) pairs per thread in the register bitonic sort; 0 = all through shared memory
+SELECT_WARP_APPEND = True  # one shared atomic per warp for the winners' and candidates' slots
+
+
+def select_tunables() -> dict:
+    """The select the op runs, read per call (a benchmark patches these constants to time others beside it)."""
+    assert BLOCK_N % SELECT_VEC == 0, "SELECT_VEC must divide BLOCK_N, the padding of the scores' rows"
+    return {"candidates": SELECT_CANDIDATES, "threads": SELECT_THREADS, "vec": SELECT_VEC,
+            "sort_elems": SELECT_SORT_ELEMS, "warp_append": SELECT_WARP_APPEND}
+
+
+def select_kernel(topk: int, target_arch: str):
+    """The select kernel the op runs (:func:`select_tunables`)."""
+    return compile_topk_select(topk, target_arch, **select_tunables())
 
 
 @functools.lru_cache(maxsize=None)
@@ -464,7 +625,9 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
         "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
         "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
-            2048, target_arch, candidates=SELECT_CANDIDATES, threads=SELECT_THREADS),
+            2048, target_arch, **select_tunables()),
+        "topk_select_hist_aggregate[k2048]": lambda: compile_topk_select.__wrapped__(  # bench_kernels' sweep
+            2048, target_arch, **(select_tunables() | {"hist_aggregate": True})),
     }
 
 
@@ -498,7 +661,7 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     arch = cuda_target(dev)["arch"]
     block_Q = max(1, 128 // H)
     logits_k = logits_kernel(H, D, q.dtype, arch)
-    select_k = compile_topk_select(topk, arch, candidates=SELECT_CANDIDATES, threads=SELECT_THREADS)
+    select_k = select_kernel(topk, arch)
 
     q = q.contiguous()
     Skp = round_up(max(Sk, 1), BLOCK_N)

@@ -435,18 +435,18 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
                             dkv_atomics: bool = True, dkv_slot_major: bool = False):
     """Warp-specialised backward for one 64-head block (GLM-5.2's heads): the signature and results of
     `build_sparse_mla_bwd`; one CTA per query, 384 threads in three warpgroups. H200, 64 heads, 16K, top-k
-    2048: 61.1 ms (194 TFLOP/s) at chunk 64; 64.1 ms at chunk 128, and 21.8 ms there with the dKV atomics
-    ablated, so the atomics below (42 ms) bound it (ptxas, CUDA 13.0: 168 registers at launch, setmaxnreg 232/232/40; spill stores 796 B at chunk 64,
+    2048, chunk 64: 53.3 ms (222 TFLOP/s) slot-major, 61.0 ms (194) latent-major, 22.7 ms latent-major with the
+    dKV atomics ablated, so the atomics below bound it (latent-major: ptxas, CUDA 13.0: 168 registers at launch, setmaxnreg 232/232/40; spill stores 796 B at chunk 64,
     1012 B at 128, in the consumer warpgroups: mostly 64-bit wgmma descriptors kept across the slot loop).
 
     Shared memory (224 KiB dynamic at chunk 128): Q [64, 576] and dO [64, 512], kept in `chunk`-column
     pieces so that every GEMM operand is a whole buffer; two KV stages of block_I x 576; P and dS
     [64, block_I] bf16, one pair per stage. Nothing else fits, so dKV leaves registers directly as fp32
     atomics, in one of two layouts (`dkv_slot_major`):
-    - False (measured): the dKV GEMMs are computed transposed on wgmma, dKV^T [latent, slot] (M = latent
+    - False: the dKV GEMMs are computed transposed on wgmma, dKV^T [latent, slot] (M = latent
       columns, a multiple of 64 as wgmma wants; block_I slots are only 32). A thread of that accumulator
       holds consecutive slots, i.e. different dKV rows, so its atomics are scalar.
-    - True (built, NOT YET RUN ON A GPU): dKV [slot, latent] on mma.sync (TileLang picks it for M = 32);
+    - True (the default, `BWD_WS_DKV = "slot"`): dKV [slot, latent] on mma.sync (TileLang picks it for M = 32);
       a thread holds pairs of consecutive latent columns, so the atomics are x2, half as many, and ptxas
       spills 188 B at chunk 64. The dKV GEMMs (40% of the FLOPs) then run on the older tensor-core path.
 
@@ -745,16 +745,16 @@ FWD_KERNEL = "pipelined"
 # Backward kernel for 64 padded heads, read at every call like FWD_KERNEL: "serial" =
 # build_sparse_mla_bwd, "pipelined" = build_sparse_mla_bwd_ws (warp-specialised; d_v a multiple of 256,
 # topk padded to a multiple of 2 * BWD_WS_BLOCK_I). Other head counts always run the serial kernel.
-# H200, torch 2.11, 64 heads, S=16K, top-k 2048 (benchmarks/results/bench_kernels_run7_h200.json):
-# pipelined 61.1 ms / 194 TFLOP/s (BWD_WS_CHUNK 64; 64.1 at 128), serial 72.2 ms / 164; GPU tests pass.
+# H200, torch 2.11, 64 heads, S=16K, top-k 2048 (benchmarks/results/bench_kernels_run9_h200.json, one run):
+# pipelined with slot-major dKV 53.3 ms / 222 TFLOP/s; latent-major 61.0 ms / 194 (22.7 ms without its dKV
+# atomics); serial 72.7 ms / 163. BWD_WS_CHUNK 64 (128: 64.6 ms latent-major). All pass the GPU tests.
 BWD_KERNEL = "pipelined"
 BWD_WS_BLOCK_I = 32
-BWD_WS_CHUNK = 64       # latent columns per shared piece of Q / dO / KV (128: 64.1 ms in the same run)
-# How the pipelined backward's dKV leaves registers: "latent" = dKV^T [latent, slot] on wgmma, scalar fp32
-# atomics (the one measured above; 21.8 ms of its 64.1 without them); "slot" = dKV [slot, latent] on
-# mma.sync (M = 32 slots is below wgmma's 64), paired (x2) fp32 atomics, half as many. "slot" builds for
-# sm_90a (ptxas at chunk 64: 188 B spill stores against 796) but has NOT YET RUN ON A GPU.
-BWD_WS_DKV = "latent"
+BWD_WS_CHUNK = 64       # latent columns per shared piece of Q / dO / KV
+# How the pipelined backward's dKV leaves registers: "slot" = dKV [slot, latent] on mma.sync (M = 32 slots is
+# below wgmma's 64), paired (x2) fp32 atomics; "latent" = dKV^T [latent, slot] on wgmma, scalar fp32 atomics
+# (twice as many; the default until 2026-12).
+BWD_WS_DKV = "slot"
 
 
 def bwd_tunables(padded_h: int) -> dict:
