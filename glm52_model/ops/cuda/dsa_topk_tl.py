@@ -177,6 +177,18 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 slot[0] = T.atomic_add(counter, 1, return_prev=True)
 
     @T.macro
+    def load_trip(Logits, row, jv, end, xv, every_lane):
+        # the `vec` scores of vector jv of the row; `every_lane`: lanes past the row's end load zeros (for a
+        # trip every lane must run: the warp's ballots and matches), else they load nothing
+        if every_lane:
+            for v in T.vectorized(vec):
+                xv[v] = T.if_then_else(jv * vec < end, Logits[row, jv * vec + v], 0)
+        else:
+            if jv * vec < end:
+                for v in T.vectorized(vec):
+                    xv[v] = Logits[row, jv * vec + v]
+
+    @T.macro
     def take_other(mk, mi, ok, oi, lower, asc):
         # bitonic compare-exchange seen from one side: whether this side takes the other's (key, id); the
         # lower index keeps the smaller pair when the block sorts ascending, the larger when descending
@@ -259,9 +271,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 for it in T.serial(n_vit):
                     jb = (base_v + it * threads + tx) * vec
                     if hist_aggregate:                       # every lane runs every trip (the match)
-                        for v in T.vectorized(vec):
-                            xv[v] = T.if_then_else(jb < end, Logits[row, (base_v + it * threads + tx) * vec + v],
-                                                   0)
+                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
                         for v in T.unroll(vec):
                             # lanes without a key match on FIRST_BINS, a bin no key has
                             bin_ = T.if_then_else((jb + v >= start) & (jb + v < end),
@@ -271,9 +281,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                             if (bin_ < FIRST_BINS) & ((peers & ((T.uint32(1) << T.Cast(T.uint32, tx % 32))
                                                                 - T.uint32(1))) == T.uint32(0)):
                                 T.atomic_add(hist[bin_], T.Cast(T.int32, T.popcount(peers)))
-                    elif jb < end:
-                        for v in T.vectorized(vec):
-                            xv[v] = Logits[row, (base_v + it * threads + tx) * vec + v]
+                    else:
+                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
                         for v in T.unroll(vec):
                             if (jb + v >= start) & (jb + v < end):
                                 key = _ordered_key(xv[v])
@@ -310,8 +319,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 # every trip (the warp's appends); lanes past the row's end carry no key.
                 for it in T.serial(n_vit):
                     jb = (base_v + it * threads + tx) * vec
-                    for v in T.vectorized(vec):
-                        xv[v] = T.if_then_else(jb < end, Logits[row, (base_v + it * threads + tx) * vec + v], 0)
+                    load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
                     for v in T.unroll(vec):
                         key = _ordered_key(xv[v])
                         append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1], wb,
@@ -404,15 +412,12 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     T.sync_threads()
                     for it in T.serial(n_vit):
                         jb = (base_v + it * threads + tx) * vec
-                        if jb < end:
-                            for v in T.vectorized(vec):
-                                xv[v] = Logits[row, (base_v + it * threads + tx) * vec + v]
-                            for v in T.unroll(vec):
-                                if (jb + v >= start) & (jb + v < end):
-                                    key = _ordered_key(xv[v])
-                                    if (key & pmask) == prefix:
-                                        T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))],
-                                                     1)
+                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
+                        for v in T.unroll(vec):
+                            if (jb + v >= start) & (jb + v < end):
+                                key = _ordered_key(xv[v])
+                                if (key & pmask) == prefix:
+                                    T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
                     # suffix sums over the RADIX bins (Hillis-Steele)
                     for step in T.serial(RADIX_BITS):
                         T.sync_threads()
@@ -436,8 +441,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 # gather: all keys > threshold, then `krem` of the keys == threshold
                 for it in T.serial(n_vit):
                     jb = (base_v + it * threads + tx) * vec
-                    for v in T.vectorized(vec):
-                        xv[v] = T.if_then_else(jb < end, Logits[row, (base_v + it * threads + tx) * vec + v], 0)
+                    load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
                     for v in T.unroll(vec):
                         key = _ordered_key(xv[v])
                         append(tx, (jb + v >= start) & (jb + v < end) & (key > prefix), ctl[1], wb, slot)
