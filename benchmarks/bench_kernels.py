@@ -158,6 +158,8 @@ LOGITS_SWEEP = {
     "q8_n64_t256_s1": {"block_Q": 8, "block_N": 64, "threads": 256, "num_stages": 1, "warp_specialized": False},
     "q2_n64_t128_s1": {"block_Q": 2, "block_N": 64, "threads": 128, "num_stages": 1, "warp_specialized": False},
     "n128_t256_s1": {"block_N": 128, "threads": 256, "num_stages": 1, "warp_specialized": False},
+    "min4": {"min_blocks": 4},                        # <= 128 registers: 4 CTAs per SM instead of 3
+    "min5": {"min_blocks": 5},
 }
 
 

@@ -187,3 +187,34 @@ def test_two_read_select_matches_the_four_round_select(tunables):
     same = (torch.sort(two, 1).values == torch.sort(four, 1).values).all(1)
     assert float(same.float().mean()) >= 0.99
 
+
+
+@pytest.mark.parametrize("over", [{"min_blocks": 4}])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_logits_kernel_register_bound_writes_the_same_logits(dtype, over):
+    """The op's logits tiles built for more CTAs per SM (fewer registers each) write the same logits: the
+    register allocation changes, the arithmetic does not."""
+    from glm52_model.ops.dsa_topk import quantize_indexer
+    S = 2500
+    q, k, w, starts, ends = _inputs(S, 32, 128, packed=True, seed=5)
+    scale = 128 ** -0.5
+    if dtype == torch.bfloat16:
+        qq, kk, ks, ww = q, k, torch.ones(S, device="cuda"), (w * scale).contiguous()
+    else:
+        qq, kk, w8, ks = quantize_indexer(q, k, w)
+        ks, ww = ks.float(), (w8.float() * scale).contiguous()
+    Sp = -(-S // tl_ops.BLOCK_N) * tl_ops.BLOCK_N
+    pad = lambda t, n: torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])        # noqa: E731
+    kp, ksp = pad(kk.view(torch.uint8), Sp).view(kk.dtype), pad(ks, Sp)
+    arch = tl_ops.cuda_target()["arch"]
+    tiles = {"block_Q": 4} | tl_ops.LOGITS_TUNABLES
+    out = []
+    for t in (tiles, tiles | over):
+        logits = torch.full((S, Sp), float("nan"), device="cuda")
+        tl_ops.compile_indexer_logits(32, 128, arch, dtype, **t)(qq.view(S * 32, 128), kp, ksp, ww, starts, ends,
+                                                                logits)
+        out.append(logits)
+    assert torch.equal(torch.isnan(out[0]), torch.isnan(out[1])), "the two builds cover different tiles"
+    written = ~torch.isnan(out[0])
+    assert bool(written[:, :S].any())
+    torch.testing.assert_close(out[1][written], out[0][written], rtol=0, atol=0)

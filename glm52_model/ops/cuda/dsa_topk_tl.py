@@ -38,13 +38,14 @@ _INT_MAX = 2147483647
 # kernels
 # --------------------------------------------------------------------------------------------------
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
-                         block_N: int = 128, num_stages: int = 2, threads: int = 256):
+                         block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1):
     """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
     be a multiple of block_Q, Sk of block_N.
 
     Tunables: block_Q queries per CTA (block_Q * heads rows form the GEMM's N side), block_N keys per
-    tile, pipeline depth, threads. Whether TileLang splits producer and consumer warps is a pass config
-    (:func:`compile_indexer_logits`). The logits are stored from the registers that reduced them: a version
+    tile, pipeline depth, threads, and min_blocks, the CTAs per SM the register allocation must leave room
+    for (``__launch_bounds__``; at 1, 3 fit, limited by registers: Nsight Compute, H200, 128 threads).
+    Whether TileLang splits producer and consumer warps is a pass config (:func:`compile_indexer_logits`). The logits are stored from the registers that reduced them: a version
     staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
     logits there, so it was dropped.
     """
@@ -69,6 +70,8 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
         Logits: T.Tensor([seq_q, seq_k], accum),  # [Sq, Sk]
     ):
         with T.Kernel(T.ceildiv(seq_q, block_Q), threads=threads) as bx:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             q_shared = T.alloc_shared([rows, dim], dtype)
             k_shared = T.alloc_shared([block_N, dim], dtype)
             if scaled:
@@ -575,7 +578,8 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # issue slots 57% busy, ALU 40%, the tensor pipe less, with 3 CTAs (12 warps) per SM, limited by registers.
 # A version that ran tile t+1's MMA asynchronously into a second accumulator under tile t's epilogue (a ring
 # of four key tiles; 2026-12-02) was slower: 12.67 ms bf16 at 32K against 8.93 in the same run (2 CTAs per
-# SM), so it was dropped.
+# SM), so it was dropped. ptxas (CUDA 13.0, FP8 tiles): 156 registers, no spills; with min_blocks=4 (4 CTAs per
+# SM) 128, no spills; min_blocks=5: 96, 84 B spilled. min_blocks 4 and 5 are in bench_kernels' sweep, not yet run.
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False}
 
 
@@ -627,6 +631,8 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             32, 128, target_arch, torch.bfloat16, **({"block_Q": 4} | LOGITS_TUNABLES)),
         "indexer_logits_fp8[h32,d128]": lambda: compile_indexer_logits.__wrapped__(
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
+        "indexer_logits_fp8_min4[h32,d128]": lambda: compile_indexer_logits.__wrapped__(     # bench_kernels
+            32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | {"min_blocks": 4})),
         "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
         "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
             2048, target_arch, **select_tunables()),
