@@ -83,7 +83,7 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     scale = 128 ** -0.5
     q8, k8, w8, ks = quantize_indexer(q, k, w)
     row = {"S": S, "heads": 32, "dim": 128, "topk": topk, "logits_tunables": tl.LOGITS_TUNABLES,
-           "select_tunables": tl.select_tunables(),
+           "select_tunables": tl.SELECT_TUNABLES,
            "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
     row["tilelang_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale),
                                       reps=reps)
@@ -97,14 +97,14 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     row["fp8_id_overlap_min"] = float(overlap.min())
     # the same op with the kernels it ran before this session's changes, side by side
     with mock.patch.object(tl, "LOGITS_TUNABLES", PREVIOUS_LOGITS), \
-            mock.patch.multiple(tl, **{f"SELECT_{k.upper()}": v for k, v in PREVIOUS_SELECT.items()}):
+            mock.patch.object(tl, "SELECT_TUNABLES", PREVIOUS_SELECT):
         row["fp8_previous_kernels_ms"] = cuda_time_ms(
             lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), reps=reps)
         row["previous_kernels_ms"] = cuda_time_ms(
             lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
     if not parts:
         return row, ids
-    with mock.patch.object(tl, "SELECT_CANDIDATES", 0):                          # the four-round select, side by side
+    with mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | {"candidates": 0}):  # four rounds, beside
         row["tilelang_four_round_ms"] = cuda_time_ms(
             lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
     # split: logits kernel alone (one chunk covers S here)
@@ -198,9 +198,8 @@ def sweep_logits(S, reps, names=None):
                 keys = torch.arange(S, device="cuda")
                 valid = (keys >= starts[:, None]) & (keys < ends[:, None])
                 assert bool(torch.isfinite(out)[valid].all()), "a valid key's logit is not finite"
-                fin = valid
-                rs = want[dt].masked_fill(~fin, 0).abs().amax(1, keepdim=True).clamp_min(1e-6)
-                row["max_rel_diff"] = float(((out - want[dt]).abs() / rs).masked_fill(~fin, 0).max())
+                rs = want[dt].masked_fill(~valid, 0).abs().amax(1, keepdim=True).clamp_min(1e-6)
+                row["max_rel_diff"] = float(((out - want[dt]).abs() / rs).masked_fill(~valid, 0).max())
             except Exception as e:                                               # a tile choice that fails
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
             print(json.dumps(row), flush=True)
@@ -212,7 +211,7 @@ def sweep_logits(S, reps, names=None):
     tl.compile_topk_select(topk, arch, candidates=3072, threads=1024)(want["bf16"], starts, ends, ref_ids)
     ref_sorted = torch.sort(ref_ids, 1).values
     for name, over in SELECT_SWEEP.items():
-        tun = tl.select_tunables() | over
+        tun = tl.SELECT_TUNABLES | over
         row = {"S": S, "config": f"select_{name}", **tun}
         try:
             sk = tl.compile_topk_select(topk, arch, **tun)
@@ -226,9 +225,11 @@ def sweep_logits(S, reps, names=None):
     return rows
 
 
-# The top-k op's kernels before issue 13's fourth H200 session (2026-12-02), timed beside today's
+# The top-k op's kernels before issue 13's fourth H200 session (2026-12-02), timed beside today's (the logits
+# tiles did not change that session: pinned so that the row stays "before" when they do)
 PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False}
 PREVIOUS_SELECT = {"candidates": 2048, "threads": 512, "vec": 1, "sort_elems": 0, "warp_append": False}
+# The select's tunables timed side by side (--logits-sweep): name -> overrides of the op's SELECT_TUNABLES
 SELECT_SWEEP = {
     "default": {},
     "previous": PREVIOUS_SELECT,

@@ -233,18 +233,14 @@ def _with_kernel_settings(built: Built, settings) -> Built:
 
 
 _TOPK = "glm52_model.ops.cuda.dsa_topk_tl"
-FOUR_ROUND_SELECT = ((_TOPK, "SELECT_CANDIDATES", 0), (_TOPK, "SELECT_THREADS", 1024))
+FOUR_ROUND_SELECT = ((_TOPK, "SELECT_TUNABLES", {"candidates": 0, "threads": 1024}),)
 # What the CUDA kernels were before issue 13's second and third H200 sessions (2026-12-01)
 PREVIOUS_KERNELS = (
     ("glm52_model.ops.cuda.sparse_mla_tl", "FWD_KERNEL", "serial"),
     ("glm52_model.ops.cuda.sparse_mla_tl", "BWD_KERNEL", "serial"),
     (_TOPK, "LOGITS_TUNABLES", {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True}),
     (_TOPK, "LOGITS_BUDGET_BYTES", 1 << 30),
-    (_TOPK, "SELECT_CANDIDATES", 3072),
-    (_TOPK, "SELECT_THREADS", 1024),
-    (_TOPK, "SELECT_VEC", 1),
-    (_TOPK, "SELECT_SORT_ELEMS", 0),
-    (_TOPK, "SELECT_WARP_APPEND", False),
+    (_TOPK, "SELECT_TUNABLES", {"candidates": 3072, "threads": 1024}),
     ("glm52_model.ops.cuda.fp8_quant_tl", "DENSE", False),
 )
 

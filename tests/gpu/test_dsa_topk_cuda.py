@@ -150,7 +150,7 @@ def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed)
     assert float(overlap.mean()) >= 0.9
 
 
-OP_SELECT = "op"          # the op's select_tunables(), read when the test runs
+OP_SELECT = "op"          # the op's SELECT_TUNABLES, read when the test runs
 
 
 @pytest.mark.parametrize("tunables", [
@@ -167,9 +167,9 @@ def test_two_read_select_matches_the_four_round_select(tunables):
     with one score per load and with vector loads (vec; rows that start and end off a vector's edge),
     per-key or per-warp atomics for the winners' slots, and the sort in shared memory or in registers."""
     if tunables == OP_SELECT:
-        tunables = tl_ops.select_tunables()
+        tunables = tl_ops.SELECT_TUNABLES
     elif tunables.get("base") == OP_SELECT:
-        tunables = tl_ops.select_tunables() | {k: v for k, v in tunables.items() if k != "base"}
+        tunables = tl_ops.SELECT_TUNABLES | {k: v for k, v in tunables.items() if k != "base"}
     S, H, D, topk = 3000, 32, 128, 2048
     q, k, w, _, ends = _inputs(S, H, D, seed=7)
     bounds = torch.tensor([0, 1001, 1503], device="cuda", dtype=torch.int32)   # documents off a vector edge

@@ -9,7 +9,7 @@ Two kernels, run per chunk of query rows:
 2. `build_topk_select`: one CTA per row; an exact 4-pass 8-bit radix select over the fp32 scores of
    the row's key range finds the k-th largest value, a gather pass collects the winners into shared
    memory, and a bitonic sort orders them by (score desc, key id asc). Rows with fewer valid keys
-   than top-k are padded with -1. With ``candidates`` (``SELECT_CANDIDATES``): a 12-bit first round,
+   than top-k are padded with -1. With ``candidates`` (``SELECT_TUNABLES``): a 12-bit first round,
    then one pass that keeps the winners and copies the threshold bin to shared memory, where the
    other rounds run: two reads of the row instead of five.
 
@@ -45,7 +45,8 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     Tunables: block_Q queries per CTA (block_Q * heads rows form the GEMM's N side), block_N keys per
     tile, pipeline depth, threads, and min_blocks, the CTAs per SM the register allocation must leave room
     for (``__launch_bounds__``; at 1, 3 fit, limited by registers: Nsight Compute, H200, 128 threads).
-    Whether TileLang splits producer and consumer warps is a pass config (:func:`compile_indexer_logits`). The logits are stored from the registers that reduced them: a version
+    Whether TileLang splits producer and consumer warps is a pass config (:func:`compile_indexer_logits`).
+    The logits are stored from the registers that reduced them: a version
     staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
     logits there, so it was dropped.
     """
@@ -590,30 +591,28 @@ def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str)
     return compile_indexer_logits(heads, dim, target_arch, in_dtype, **tunables)
 
 
-# The select the op runs: > 0 = the two-read kernel with this many shared-memory candidates; 0 = the four-round
-# kernel. H200 (bench_kernels.py --logits-sweep, same logits), ms at 32K / 64K: four rounds, 1024 threads 7.35 /
+# The select the op runs. candidates > 0 = the two-read kernel with this many shared-memory candidates; 0 =
+# the four-round kernel. H200 (bench_kernels.py --logits-sweep, same logits), ms at 32K / 64K: four rounds, 1024 threads 7.35 /
 # 22.9; two reads, 1024 threads, 3072 candidates 6.47 / 16.6; 512 threads, 2048 candidates 5.51 / 14.5 (less
 # shared memory: more rows' CTAs per SM). All pass tests/gpu/test_dsa_topk_cuda.py, including rows whose
 # threshold bin overflows into the fallback rounds. Then (2026-12-02) vector loads, per-warp slot atomics and
 # the register sort: the FP8 op at 64K 41.5 ms against 43.0 with the select before them, at 128K 153.1 against
 # 163.8 (benchmarks/results/bench_kernels_run10_h200.json; vector loads alone, at 32K: 5.40 against 5.76 ms).
-SELECT_CANDIDATES = 2048
-SELECT_THREADS = 512  # threads per row's CTA (a power of two dividing 4096 for the two-read select)
-SELECT_VEC = 4        # scores per thread per trip over the row (one float4 load); must divide BLOCK_N
-SELECT_SORT_ELEMS = 8  # (key, id) pairs per thread in the register bitonic sort; 0 = all through shared memory
-SELECT_WARP_APPEND = True  # one shared atomic per warp for the winners' and candidates' slots
-
-
-def select_tunables() -> dict:
-    """The select the op runs, read per call (a benchmark patches these constants to time others beside it)."""
-    assert BLOCK_N % SELECT_VEC == 0, "SELECT_VEC must divide BLOCK_N, the padding of the scores' rows"
-    return {"candidates": SELECT_CANDIDATES, "threads": SELECT_THREADS, "vec": SELECT_VEC,
-            "sort_elems": SELECT_SORT_ELEMS, "warp_append": SELECT_WARP_APPEND}
+# Read per call like LOGITS_TUNABLES (a benchmark patches the whole dict to time another select beside it);
+# keys it leaves out take build_topk_select's defaults, the select before any of these choices.
+SELECT_TUNABLES = {
+    "candidates": 2048,
+    "threads": 512,       # per row's CTA (a power of two dividing 4096 for the two-read select)
+    "vec": 4,             # scores per thread per trip over the row (one float4 load); must divide BLOCK_N
+    "sort_elems": 8,      # (key, id) pairs per thread in the register bitonic sort; 0 = all in shared memory
+    "warp_append": True,  # one shared atomic per warp for the winners' and candidates' slots
+}
 
 
 def select_kernel(topk: int, target_arch: str):
-    """The select kernel the op runs (:func:`select_tunables`)."""
-    return compile_topk_select(topk, target_arch, **select_tunables())
+    """The select kernel the op runs: :data:`SELECT_TUNABLES`."""
+    assert BLOCK_N % SELECT_TUNABLES.get("vec", 1) == 0, "SELECT_TUNABLES: vec must divide BLOCK_N"
+    return compile_topk_select(topk, target_arch, **SELECT_TUNABLES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -635,9 +634,9 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | {"min_blocks": 4})),
         "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
         "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
-            2048, target_arch, **select_tunables()),
+            2048, target_arch, **SELECT_TUNABLES),
         "topk_select_hist_aggregate[k2048]": lambda: compile_topk_select.__wrapped__(  # bench_kernels' sweep
-            2048, target_arch, **(select_tunables() | {"hist_aggregate": True})),
+            2048, target_arch, **(SELECT_TUNABLES | {"hist_aggregate": True})),
     }
 
 
