@@ -95,6 +95,9 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     overlap = id_overlap(tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), ids)
     row["fp8_id_overlap_mean"] = float(overlap.mean())
     row["fp8_id_overlap_min"] = float(overlap.min())
+    # where the FP8 op's time goes: its kernels (logits, select, the padding copies) in one call
+    row["fp8_kernels"] = kernel_profile(
+        lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), top=6)
     # the same op with the kernels it ran before this session's changes, side by side
     with mock.patch.object(tl, "LOGITS_TUNABLES", PREVIOUS_LOGITS), \
             mock.patch.object(tl, "SELECT_TUNABLES", PREVIOUS_SELECT):
@@ -104,7 +107,7 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
             lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
     if not parts:
         return row, ids
-    with mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | {"candidates": 0}):  # four rounds, beside
+    with mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | {"candidates": 0, "sample": 0}):  # four rounds, beside
         row["tilelang_four_round_ms"] = cuda_time_ms(
             lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
     # split: logits kernel alone (one chunk covers S here)
@@ -146,6 +149,13 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     return row, ids
 
 
+# The top-k op's kernels before issue 13's fifth H200 session (2026-12-02), timed beside today's (pinned, so
+# that the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES change)
+PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
+                   "full_tiles": False, "unchecked": False, "min_blocks": 1}
+PREVIOUS_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
+                   "sample": 0, "warp_scan": False, "sort_packed": False, "min_blocks": 1}
+
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
 # (ReLU, head weights, the 32-head sum, the masked store) runs under the other's MMAs.
@@ -158,8 +168,11 @@ LOGITS_SWEEP = {
     "q8_n64_t256_s1": {"block_Q": 8, "block_N": 64, "threads": 256, "num_stages": 1, "warp_specialized": False},
     "q2_n64_t128_s1": {"block_Q": 2, "block_N": 64, "threads": 128, "num_stages": 1, "warp_specialized": False},
     "n128_t256_s1": {"block_N": 128, "threads": 256, "num_stages": 1, "warp_specialized": False},
-    "min4": {"min_blocks": 4},                        # <= 128 registers: 4 CTAs per SM instead of 3
-    "min5": {"min_blocks": 5},
+    "min5": {"min_blocks": 5},                        # <= 96 registers (the op's min_blocks=4: <= 128)
+    "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
+    "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
+    "checked": {"unchecked": False},                  # the safe-memory pass's bounds tests
+    "session_start": PREVIOUS_LOGITS,                 # the op's tiles before issue 13's fifth session
 }
 
 
@@ -225,19 +238,65 @@ def sweep_logits(S, reps, names=None):
     return rows
 
 
-# The top-k op's kernels before issue 13's fourth H200 session (2026-12-02), timed beside today's (the logits
-# tiles did not change that session: pinned so that the row stays "before" when they do)
-PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False}
-PREVIOUS_SELECT = {"candidates": 2048, "threads": 512, "vec": 1, "sort_elems": 0, "warp_append": False}
+# ... and before the fourth (one score per load, per-key atomics, the sort in shared memory): the sweep's row
+FOURTH_SESSION_SELECT = PREVIOUS_SELECT | {"vec": 1, "sort_elems": 0, "warp_append": False}
 # The select's tunables timed side by side (--logits-sweep): name -> overrides of the op's SELECT_TUNABLES
 SELECT_SWEEP = {
     "default": {},
-    "previous": PREVIOUS_SELECT,
+    "session_start": PREVIOUS_SELECT,
+    "fourth_session": FOURTH_SESSION_SELECT,
+    "unsampled": {"sample": 0, "candidates": 2048},             # the 12-bit round on every row
     "shared_sort": {"sort_elems": 0},
+    "unpacked_sort": {"sort_packed": False},
+    "sort16": {"sort_elems": 16},                               # 16 pairs a thread: 128 sorting threads
+    "sort4": {"sort_elems": 4},                                 # 4 a thread: all 512 sort
     "lane_atomics": {"warp_append": False},
     "vec1": {"vec": 1},
-    "hist_aggregate": {"hist_aggregate": True},
+    "hist_aggregate": {"hist_aggregate": True, "sample": 0, "candidates": 2048},
+    "no_warp_scan": {"warp_scan": False},
+    "s16": {"sample": 16},
+    "t256": {"threads": 256},
+    "c3072": {"candidates": 3072},
+    "regs_free": {"min_blocks": 1},
 }
+
+
+def _build_one(job):
+    """Compile (not run) one top-k kernel into TileLang's disk cache; a worker of :func:`precompile`."""
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    kind, args, tunables = job
+    t0 = time.time()
+    try:
+        if kind == "logits":
+            tl.compile_indexer_logits(*args, **tunables)
+        else:
+            tl.compile_topk_select(*args, **tunables)
+        return kind, tunables, round(time.time() - t0, 1), ""
+    except Exception as e:                                          # reported by the timing run that needs it
+        return kind, tunables, round(time.time() - t0, 1), f"{type(e).__name__}"
+
+
+def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=()):
+    """Build every top-k kernel a run may time (the op's, the sweeps', and ``selects``: more select tunables)
+    in ``workers`` processes at once: a fresh machine compiles each in ~20 s, one at a time in the timing
+    process. Later compiles of the same kernels load from TileLang's disk cache."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    base = {"block_Q": 4} | tl.LOGITS_TUNABLES
+    jobs = [("logits", (32, 128, arch, dt), base | over) for name, over in LOGITS_SWEEP.items()
+            if not logits_names or name in logits_names for dt in (torch.bfloat16, torch.float8_e4m3fn)]
+    jobs += [("logits", (32, 128, arch, dt), {"block_Q": 4} | PREVIOUS_LOGITS)
+             for dt in (torch.bfloat16, torch.float8_e4m3fn)]
+    selects = [tl.SELECT_TUNABLES | over for over in SELECT_SWEEP.values()] + list(selects)
+    selects += [{}, {"candidates": 3072, "threads": 1024}, PREVIOUS_SELECT, tl.SELECT_TUNABLES | {"candidates": 0, "sample": 0}]
+    jobs += [("select", (topk, arch), t) for t in selects]
+    t0 = time.time()
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        done = list(ex.map(_build_one, jobs))
+    failed = [d for d in done if d[3]]
+    print(json.dumps({"precompiled": len(done), "failed": [[d[0], d[1], d[3]] for d in failed],
+                      "wall_s": round(time.time() - t0, 1)}), flush=True)
 
 
 def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
@@ -433,11 +492,18 @@ def main(argv=None):
     p.add_argument("--logits-configs", default="", help="LOGITS_SWEEP names to run (default: all)")
     p.add_argument("--logits-tunables", default="",
                    help="JSON overrides of the op's LOGITS_TUNABLES for this whole run (recorded in the rows)")
+    p.add_argument("--select-tunables", default="",
+                   help="JSON overrides of the op's SELECT_TUNABLES for this whole run (recorded in the rows)")
+    p.add_argument("--precompile", type=int, default=0,
+                   help="first build the top-k kernels the sweeps and the op use in this many processes")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.logits_tunables:
         from glm52_model.ops.cuda import dsa_topk_tl as tl
         tl.LOGITS_TUNABLES = tl.LOGITS_TUNABLES | json.loads(args.logits_tunables)
+    if args.select_tunables:
+        from glm52_model.ops.cuda import dsa_topk_tl as tl
+        tl.SELECT_TUNABLES = tl.SELECT_TUNABLES | json.loads(args.select_tunables)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
     import tilelang
@@ -445,6 +511,10 @@ def main(argv=None):
               "tilelang": tilelang.__version__, "python": platform.python_version(),
               "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": [], "logits_sweep": []}
     t0 = time.time()
+    if args.precompile:
+        from glm52_model.ops.cuda.dsa_topk_tl import cuda_target
+        precompile(args.precompile, args.topk, [n for n in args.logits_configs.split(",") if n],
+                   cuda_target()["arch"])
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
     for S in ints(args.topk_op_seq):

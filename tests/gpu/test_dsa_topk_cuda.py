@@ -155,10 +155,14 @@ OP_SELECT = "op"          # the op's SELECT_TUNABLES, read when the test runs
 
 @pytest.mark.parametrize("tunables", [
     {"candidates": 64},                                                         # one score per load, shared sort
-    OP_SELECT, {"candidates": 64, "base": OP_SELECT},                           # the op's, and it overflowing
-    {"candidates": 0, "base": OP_SELECT},                                       # four rounds, op's loads/sort
-    {"sort_elems": 16, "threads": 256, "vec": 8, "warp_append": False, "base": OP_SELECT},
-    {"hist_aggregate": True, "base": OP_SELECT}, {"hist_aggregate": True, "candidates": 64, "base": OP_SELECT},
+    OP_SELECT, {"candidates": 64, "sample": 0, "base": OP_SELECT},              # the op's, and it overflowing
+    {"candidates": 0, "sample": 0, "base": OP_SELECT},                          # four rounds, op's loads/sort
+    {"sort_elems": 16, "threads": 256, "vec": 8, "warp_append": False, "sort_packed": False, "base": OP_SELECT},
+    {"sort_elems": 16, "threads": 256, "base": OP_SELECT},
+    {"hist_aggregate": True, "sample": 0, "base": OP_SELECT},
+    {"hist_aggregate": True, "candidates": 64, "sample": 0, "base": OP_SELECT},
+    {"warp_scan": False, "sort_packed": False, "min_blocks": 1, "base": OP_SELECT},
+    {"candidates": 64, "sample": 0, "warp_scan": False, "base": OP_SELECT},
 ], ids=lambda t: "op" if t == OP_SELECT else "-".join(f"{k}{v}" for k, v in t.items() if k != "base")
          + ("-op" if isinstance(t, dict) and "base" in t else ""))
 def test_two_read_select_matches_the_four_round_select(tunables):
@@ -189,11 +193,13 @@ def test_two_read_select_matches_the_four_round_select(tunables):
 
 
 
-@pytest.mark.parametrize("over", [{"min_blocks": 4}])
+@pytest.mark.parametrize("over", [{}, {"min_blocks": 5}, {"full_tiles": False}, {"unchecked": False}])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_logits_kernel_register_bound_writes_the_same_logits(dtype, over):
-    """The op's logits tiles built for more CTAs per SM (fewer registers each) write the same logits: the
-    register allocation changes, the arithmetic does not."""
+    """The op's logits tiles (``over``: one of its store or register options taken back, or a tighter register
+    bound) write the same logits as the plain kernel (PLAIN_LOGITS: per-element range tests and bounds checks,
+    registers unbounded), on packed documents whose tiles straddle the ranges: only the code around the
+    arithmetic changes."""
     from glm52_model.ops.dsa_topk import quantize_indexer
     S = 2500
     q, k, w, starts, ends = _inputs(S, 32, 128, packed=True, seed=5)
@@ -209,7 +215,7 @@ def test_logits_kernel_register_bound_writes_the_same_logits(dtype, over):
     arch = tl_ops.cuda_target()["arch"]
     tiles = {"block_Q": 4} | tl_ops.LOGITS_TUNABLES
     out = []
-    for t in (tiles, tiles | over):
+    for t in (tiles | tl_ops.PLAIN_LOGITS, tiles | over):
         logits = torch.full((S, Sp), float("nan"), device="cuda")
         tl_ops.compile_indexer_logits(32, 128, arch, dtype, **t)(qq.view(S * 32, 128), kp, ksp, ww, starts, ends,
                                                                 logits)
@@ -218,3 +224,57 @@ def test_logits_kernel_register_bound_writes_the_same_logits(dtype, over):
     written = ~torch.isnan(out[0])
     assert bool(written[:, :S].any())
     torch.testing.assert_close(out[1][written], out[0][written], rtol=0, atol=0)
+
+
+SAMPLED_SELECTS = [                                        # overrides of the op's SELECT_TUNABLES ({}: the op's)
+    {},
+    {"sample": 16, "candidates": 3072, "threads": 256, "min_blocks": 1},
+    {"warp_scan": False, "sort_packed": False, "sort_elems": 0, "min_blocks": 1},  # Hillis-Steele, shared sort
+]
+
+
+def _long_rows(Sk, rows_per_kind, seed=3):
+    """Rows of >= 16K keys of the kinds that defeat a sampled bound, beside ordinary ones: Gaussian, rising with
+    position (the top-k all at the end), constant (every key ties), four distinct values, 95% -inf, and high
+    scores only every 32nd key (the sample's period: it sees all of them or none), with starts and ends off a
+    vector's edge; and a few short rows (the 12-bit round)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = rows_per_kind
+    pos = torch.arange(Sk, device="cuda", dtype=torch.float32)
+    kinds = [torch.randn(n, Sk, device="cuda", generator=g),
+             pos.expand(n, Sk) + 0.1 * torch.rand(n, Sk, device="cuda", generator=g),
+             torch.full((n, Sk), 1.5, device="cuda"),
+             torch.randint(0, 4, (n, Sk), device="cuda", generator=g).float(),
+             torch.randn(n, Sk, device="cuda", generator=g).masked_fill(
+                 torch.rand(n, Sk, device="cuda", generator=g) < 0.95, float("-inf")),
+             torch.randn(n, Sk, device="cuda", generator=g) + 10.0 * (pos % 32 == 0).float()]
+    scores = torch.cat(kinds)
+    R = scores.shape[0]
+    starts = torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
+    ends = Sk - torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
+    ends[::7] = starts[::7] + 3000                                            # short rows
+    keys = torch.arange(Sk, device="cuda")
+    valid = (keys >= starts[:, None].long()) & (keys < ends[:, None].long())
+    return scores.masked_fill(~valid, float("-inf")).contiguous(), starts, ends
+
+
+@pytest.mark.parametrize("tunables", SAMPLED_SELECTS,
+                         ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()) or "op")
+def test_sampled_select_is_exact_on_long_rows(tunables):
+    """The sampled first round (a bound from every sample-th vector, then one pass keeping the keys above it) is
+    a correct top-k up to ties on rows long enough to take it, including rows built to make the bound miss
+    (they fall back to the four rounds on the row), and picks the four-round select's set on rows without ties."""
+    Sk, topk = 20480, 2048                                 # >= SAMPLE_MIN_ROW * candidates keys: the sampled round
+    tunables = tl_ops.SELECT_TUNABLES | tunables
+    assert tunables["sample"] and Sk - 16 >= tl_ops.SAMPLE_MIN_ROW * tunables["candidates"]
+    scores, starts, ends = _long_rows(Sk, 24)
+    arch = tl_ops.cuda_target()["arch"]
+    four = torch.empty(scores.shape[0], topk, dtype=torch.int32, device="cuda")
+    got = torch.empty_like(four)
+    tl_ops.compile_topk_select(topk, arch)(scores, starts, ends, four)
+    tl_ops.compile_topk_select(topk, arch, **tunables)(scores, starts, ends, got)
+    _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
+    gaussian = slice(0, 24)                                # distinct scores: one right answer, the same ids in order
+    assert torch.equal(got[gaussian], four[gaussian])
+    rising = slice(24, 48)
+    assert torch.equal(got[rising], four[rising])

@@ -11,7 +11,10 @@ Two kernels, run per chunk of query rows:
    memory, and a bitonic sort orders them by (score desc, key id asc). Rows with fewer valid keys
    than top-k are padded with -1. With ``candidates`` (``SELECT_TUNABLES``): a 12-bit first round,
    then one pass that keeps the winners and copies the threshold bin to shared memory, where the
-   other rounds run: two reads of the row instead of five.
+   other rounds run: two reads of the row instead of five. With ``sample`` as well (the op's), a long
+   row's first round runs on a sample and gives a lower bound on the k-th largest score; one pass
+   copies the keys above it to shared memory, where the exact rounds run; a row where the bound
+   missed runs the rounds on the row, so the result is exact either way.
 
 The op's `scale` is folded into the weights before the logits kernel.
 """
@@ -31,6 +34,7 @@ RADIX_BITS = 8
 RADIX = 1 << RADIX_BITS
 FIRST_BITS = 12  # the two-read select's first round
 FIRST_BINS = 1 << FIRST_BITS
+SAMPLE_MIN_ROW = 4  # with `sample`: rows of at least this many times `candidates` keys take the sampled round 0
 _INT_MAX = 2147483647
 
 
@@ -38,13 +42,16 @@ _INT_MAX = 2147483647
 # kernels
 # --------------------------------------------------------------------------------------------------
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
-                         block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1):
+                         block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1,
+                         full_tiles: bool = False):
     """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
     be a multiple of block_Q, Sk of block_N.
 
     Tunables: block_Q queries per CTA (block_Q * heads rows form the GEMM's N side), block_N keys per
     tile, pipeline depth, threads, and min_blocks, the CTAs per SM the register allocation must leave room
     for (``__launch_bounds__``; at 1, 3 fit, limited by registers: Nsight Compute, H200, 128 threads).
+    ``full_tiles``: a key tile inside every one of the block's query ranges (all but the last one or two of a
+    causal row) stores its logits without the per-element range test and its reads of Starts / Ends.
     Whether TileLang splits producer and consumer warps is a pass config (:func:`compile_indexer_logits`).
     The logits are stored from the registers that reduced them: a version
     staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
@@ -83,13 +90,19 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             w = T.alloc_fragment([block_Q, heads], accum)
             lo = T.alloc_var(T.int32)
             hi = T.alloc_var(T.int32)
+            in_lo = T.alloc_var(T.int32)                     # keys valid for every query of the block
+            in_hi = T.alloc_var(T.int32)
 
             q0 = bx * block_Q
             lo = seq_k
             hi = 0
+            in_lo = 0
+            in_hi = seq_k
             for i in T.serial(block_Q):
                 lo = T.min(lo, Starts[q0 + i])
                 hi = T.max(hi, Ends[q0 + i])
+                in_lo = T.max(in_lo, Starts[q0 + i])
+                in_hi = T.min(in_hi, Ends[q0 + i])
             hi = T.min(hi, seq_k)
             lo = lo // block_N * block_N
             n_tiles = T.max(T.ceildiv(hi - lo, block_N), 0)
@@ -109,10 +122,14 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
                 if scaled:
                     for n, i in T.Parallel(block_N, block_Q):
                         logits[n, i] = logits[n, i] * ks_shared[n]
-                for i, n in T.Parallel(block_Q, block_N):
-                    Logits[q0 + i, k0 + n] = T.if_then_else(
-                        (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
-                        -T.infinity(accum))
+                if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
+                    for i, n in T.Parallel(block_Q, block_N):
+                        Logits[q0 + i, k0 + n] = logits[n, i]
+                else:
+                    for i, n in T.Parallel(block_Q, block_N):
+                        Logits[q0 + i, k0 + n] = T.if_then_else(
+                            (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
+                            -T.infinity(accum))
 
     return indexer_logits
 
@@ -124,7 +141,8 @@ def _ordered_key(x):
 
 
 def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
-                      warp_append: bool = False, hist_aggregate: bool = False):
+                      warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
+                      warp_scan: bool = False, sort_packed: bool = False, min_blocks: int = 1):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
     ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
@@ -146,8 +164,20 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
       for 2048 ids, with a barrier each, become 6). ``0``: every stage through shared memory.
     - ``hist_aggregate`` (with ``candidates``): the first round's histogram takes one atomic per distinct bin
       per warp (``match_any``; the lowest lane of each group adds the group's size) instead of one per key;
-      keys of a row that fall in few bins otherwise serialise on them. Built for the next measurement; the
-      op does not use it.
+      keys of a row that fall in few bins otherwise serialise on them.
+    - ``sample > 0`` (with ``candidates >= 1.25 topk``): a row of ``SAMPLE_MIN_ROW * candidates`` keys or more
+      takes its first round on every ``sample``-th vector only, twice (12 bits, then 8 more within the
+      threshold bin), to find a 20-bit key ``tau`` below the row's k-th largest with high probability: the
+      sample's expected share of the top-k plus four standard deviations. One pass over the row then copies
+      every key >= tau (about 1.3 topk of them at 2048) to shared memory, where four 8-bit rounds find the
+      exact k-th key: one atomic per sampled key instead of one per key, and no winners' pass. A row where
+      tau missed (fewer than topk keys above it, or more than ``candidates``) runs the four rounds on the row.
+      The result is exact either way.
+    - ``warp_scan``: the histograms' suffix sums by warp shuffles and one pass over the warps' totals (two
+      barriers) instead of Hillis-Steele through shared memory (two barriers a step: 16 for 256 bins).
+    - ``sort_packed`` (with ``sort_elems``): each (key, id) of the register sort is one uint64, one compare
+      and one shuffle per exchange.
+    - ``min_blocks``: CTAs per SM the register allocation must leave room for (``__launch_bounds__``).
     """
     sort_n = max(next_pow2(topk), 32 if sort_elems else 1)
     log_n = sort_n.bit_length() - 1
@@ -162,6 +192,9 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
     if candidates:
         assert threads & (threads - 1) == 0 and per * threads == FIRST_BINS, "threads must divide 4096"
     hist_n = (FIRST_BINS if candidates else RADIX) + 1
+    sample_min = SAMPLE_MIN_ROW * candidates                      # rows this long take the sampled round 0
+    assert not sample or candidates >= topk + topk // 4, "sample needs candidates >= 1.25 topk (the bound's slack)"
+    assert threads >= RADIX and threads % 32 == 0
     FLIP = T.uint32(0xFFFFFFFF)
 
     @T.macro
@@ -179,6 +212,52 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
         else:
             if pred:
                 slot[0] = T.atomic_add(counter, 1, return_prev=True)
+
+    @T.macro
+    def suffix_scan(tx, sv, tsum, wsum, n):
+        # tsum[t] <- the sum of sv[0] over threads t..n-1 (t < n), tsum[n] <- 0, then a barrier; n is a
+        # multiple of 32. warp_scan: shuffles within each warp, then the warps' totals (two barriers);
+        # else Hillis-Steele through shared memory (two barriers a step)
+        if warp_scan:
+            if tx < n:
+                for o in T.unroll(5):
+                    sv[1] = T.shfl_down(sv[0], 1 << o)          # every lane, then the add where it applies
+                    if tx % 32 + (1 << o) < 32:
+                        sv[0] = sv[0] + sv[1]
+                if tx % 32 == 0:
+                    wsum[tx // 32] = sv[0]
+            T.sync_threads()
+            if tx < n:
+                for w in T.serial(n // 32):
+                    if w > tx // 32:
+                        sv[0] = sv[0] + wsum[w]
+                tsum[tx] = sv[0]
+            if tx == 0:
+                tsum[n] = 0
+            T.sync_threads()
+        else:
+            if tx < n:
+                tsum[tx] = sv[0]
+            if tx == 0:
+                tsum[n] = 0
+            for step in T.serial(n.bit_length() - 1):
+                T.sync_threads()
+                if tx < n:
+                    sv[0] = tsum[tx]
+                    if tx + (1 << step) < n:
+                        sv[0] = sv[0] + tsum[tx + (1 << step)]
+                T.sync_threads()
+                if tx < n:
+                    tsum[tx] = sv[0]
+            T.sync_threads()
+
+    @T.macro
+    def radix_suffix(tx, hist, sv, wsum):
+        # hist[0..RADIX) <- its suffix sums in place (hist[RADIX] = 0), after the histogram's atomics
+        T.sync_threads()
+        if tx < RADIX:
+            sv[0] = hist[tx]
+        suffix_scan(tx, sv, hist, wsum, RADIX)
 
     @T.macro
     def load_trip(Logits, row, jv, end, xv, every_lane):
@@ -207,6 +286,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
         Out: T.Tensor([seq_q, topk], T.int32),
     ):
         with T.Kernel(seq_q, threads=threads) as row:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             hist = T.alloc_shared([hist_n], T.int32)  # becomes suffix sums; hist[RADIX] = 0
             ctl = T.alloc_shared([4], T.int32)  # 0: threshold bin, 1: #greater, 2: #equal
@@ -224,7 +305,20 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 ri = T.alloc_local([E], T.int32)
                 ok = T.alloc_var(T.uint32)
                 oi = T.alloc_var(T.int32)
+                if sort_packed:
+                    rp = T.alloc_local([E], T.uint64)
+                    pa = T.alloc_var(T.uint64)
+                    pb = T.alloc_var(T.uint64)
+                    po = T.alloc_var(T.uint64)
 
+            sv = T.alloc_local([2], T.int32)                  # a scan's value in this thread, a shuffled one
+            wsum = T.alloc_shared([32], T.int32)              # the scans' warp totals
+            if candidates:
+                sampled = T.alloc_var(T.int32)
+                want = T.alloc_var(T.int32)
+                from_row = T.alloc_var(T.int32)
+                n_rounds = T.alloc_var(T.int32)
+                tau = T.alloc_var(T.uint32)
             start = T.alloc_var(T.int32)
             end = T.alloc_var(T.int32)
             prefix = T.alloc_var(T.uint32)
@@ -251,6 +345,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             n_iter = T.ceildiv(T.max(n_valid, 0), threads)
             base_v = start // vec                                        # the row's first vector
             n_vit = T.ceildiv(T.max(end - base_v * vec, 0), threads * vec)
+            n_sv = T.ceildiv(T.ceildiv(T.max(end - base_v * vec, 0), vec), max(sample, 1))   # sampled vectors
 
             for it in T.serial(T.ceildiv(sort_n, threads)):
                 p = it * threads + tx
@@ -264,90 +359,149 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     cnt[0] = 0
 
             if candidates and n_valid > topk:
-                # round 0 on the row: the threshold bin of the top 12 bits (sign, exponent, 3 mantissa bits;
-                # 8 bits would span a factor of 4 in score and put up to half a long row in one bin)
+                # round 0: the threshold bin of the top 12 bits (sign, exponent, 3 mantissa bits; 8 bits would
+                # span a factor of 4 in score and put up to half a long row in one bin), over the row, or with
+                # `sample` over every sample-th vector of a long row
                 T.sync_threads()
                 for it in T.serial(T.ceildiv(FIRST_BINS + 1, threads)):
                     p = it * threads + tx
                     if p <= FIRST_BINS:
                         hist[p] = 0
+                sampled = 0
+                if sample:
+                    if n_valid >= sample_min:
+                        sampled = 1
+                want = topk
                 T.sync_threads()
-                for it in T.serial(n_vit):
-                    jb = (base_v + it * threads + tx) * vec
-                    if hist_aggregate:                       # every lane runs every trip (the match)
-                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
-                        for v in T.unroll(vec):
-                            # lanes without a key match on FIRST_BINS, a bin no key has
-                            bin_ = T.if_then_else((jb + v >= start) & (jb + v < end),
-                                                  T.Cast(T.int32, _ordered_key(xv[v]) >> T.uint32(32 - FIRST_BITS)),
-                                                  FIRST_BINS)
-                            peers = T.match_any_sync(bin_)
-                            if (bin_ < FIRST_BINS) & ((peers & ((T.uint32(1) << T.Cast(T.uint32, tx % 32))
-                                                                - T.uint32(1))) == T.uint32(0)):
-                                T.atomic_add(hist[bin_], T.Cast(T.int32, T.popcount(peers)))
-                    else:
-                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
-                        for v in T.unroll(vec):
-                            if (jb + v >= start) & (jb + v < end):
-                                key = _ordered_key(xv[v])
-                                T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
+                if sampled == 1:
+                    for it in T.serial(T.ceildiv(n_sv, threads)):
+                        if it * threads + tx < n_sv:
+                            jb = (base_v + (it * threads + tx) * sample) * vec
+                            load_trip(Logits, row, base_v + (it * threads + tx) * sample, end, xv, False)
+                            for v in T.unroll(vec):
+                                if (jb + v >= start) & (jb + v < end):
+                                    key = _ordered_key(xv[v])
+                                    T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
+                else:
+                    for it in T.serial(n_vit):
+                        jb = (base_v + it * threads + tx) * vec
+                        if hist_aggregate:                       # every lane runs every trip (the match)
+                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
+                            for v in T.unroll(vec):
+                                # lanes without a key match on FIRST_BINS, a bin no key has
+                                bin_ = T.if_then_else((jb + v >= start) & (jb + v < end),
+                                                      T.Cast(T.int32, _ordered_key(xv[v]) >> T.uint32(32 - FIRST_BITS)),
+                                                      FIRST_BINS)
+                                peers = T.match_any_sync(bin_)
+                                if (bin_ < FIRST_BINS) & ((peers & ((T.uint32(1) << T.Cast(T.uint32, tx % 32))
+                                                                    - T.uint32(1))) == T.uint32(0)):
+                                    T.atomic_add(hist[bin_], T.Cast(T.int32, T.popcount(peers)))
+                        else:
+                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
+                            for v in T.unroll(vec):
+                                if (jb + v >= start) & (jb + v < end):
+                                    key = _ordered_key(xv[v])
+                                    T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
                 T.sync_threads()
                 # suffix sums: each thread owns `per` consecutive bins; scan the threads' totals
-                val = 0
+                sv[0] = 0
                 for i in T.serial(per):
-                    val = val + hist[tx * per + i]
-                tsum[tx] = val
-                if tx == 0:
-                    tsum[threads] = 0
-                for step in T.serial(threads.bit_length() - 1):
-                    T.sync_threads()
-                    val = tsum[tx]
-                    if tx + (1 << step) < threads:
-                        val = val + tsum[tx + (1 << step)]
-                    T.sync_threads()
-                    tsum[tx] = val
-                T.sync_threads()
+                    sv[0] = sv[0] + hist[tx * per + i]
+                suffix_scan(tx, sv, tsum, wsum, threads)
+                if sampled == 1:
+                    # the sample's rank that bounds the row's top-k from below: its expected share of the top-k,
+                    # plus four standard deviations and a few (a row where it does not falls back below)
+                    mu = T.Cast(T.float32, topk) * T.Cast(T.float32, tsum[0]) / T.Cast(T.float32, n_valid)
+                    want = T.min(T.Cast(T.int32, mu + 4.0 * T.sqrt(mu)) + 8, tsum[0])
                 val = tsum[tx + 1]                                   # keys in bins above this thread's
                 for i in T.serial(per):
                     bin_ = tx * per + per - 1 - i
-                    if val < krem and val + hist[bin_] >= krem:
+                    if val < want and val + hist[bin_] >= want:
                         ctl[0] = bin_
                         ctl[3] = val                                 # keys strictly above the bin
                     val = val + hist[bin_]
                 T.sync_threads()
                 bin_ = ctl[0]
-                krem = krem - ctl[3]
                 prefix = T.Cast(T.uint32, bin_) << T.uint32(32 - FIRST_BITS)
                 pmask = T.uint32((FIRST_BINS - 1) << (32 - FIRST_BITS))
-                # one pass: keys above the bin are winners; the bin's keys go to shared memory. Every lane runs
-                # every trip (the warp's appends); lanes past the row's end carry no key.
-                for it in T.serial(n_vit):
-                    jb = (base_v + it * threads + tx) * vec
-                    load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
-                    for v in T.unroll(vec):
-                        key = _ordered_key(xv[v])
-                        append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1], wb,
-                               slot)
-                        if (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix):
-                            skey[slot[0]] = key ^ FLIP
-                            sidx[slot[0]] = jb + v
-                        append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix), cnt[0], wb,
-                               slot)
-                        if (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix):
-                            if slot[0] < candidates:
-                                ckey[slot[0]] = key
-                                cidx[slot[0]] = jb + v
-                T.sync_threads()
-                ncand = cnt[0]
-                # rounds 1-3 and the gather: on the candidates in shared memory, or on the row when the
-                # threshold bin overflowed (one code path: the source is chosen per CTA, not per element)
-                if ncand > candidates:
+                if sampled == 1:
+                    # round 0 again on the sample, on the next 8 bits of the threshold bin's keys: a 20-bit lower
+                    # bound `tau` on the row's k-th largest key. One pass then keeps every key >= tau (about
+                    # want * sample of them) in shared memory, where four rounds find the exact k-th key.
+                    want = want - ctl[3]
                     T.sync_threads()
-                    if tx == 0:
-                        ctl[1] = 0                                   # the gather below rewrites every winner
-                n_src = T.if_then_else(ncand <= candidates, ncand, n_valid)
-                for rnd in T.serial(3):
-                    shift = T.Cast(T.uint32, T.max(32 - FIRST_BITS - RADIX_BITS - rnd * RADIX_BITS, 0))
+                    for it in T.serial(T.ceildiv(RADIX + 1, threads)):
+                        p = it * threads + tx
+                        if p <= RADIX:
+                            hist[p] = 0
+                    T.sync_threads()
+                    for it in T.serial(T.ceildiv(n_sv, threads)):
+                        if it * threads + tx < n_sv:
+                            jb = (base_v + (it * threads + tx) * sample) * vec
+                            load_trip(Logits, row, base_v + (it * threads + tx) * sample, end, xv, False)
+                            for v in T.unroll(vec):
+                                if (jb + v >= start) & (jb + v < end):
+                                    key = _ordered_key(xv[v])
+                                    if (key & pmask) == prefix:
+                                        T.atomic_add(hist[T.Cast(T.int32, (key >> T.uint32(32 - FIRST_BITS - RADIX_BITS))
+                                                                  & T.uint32(RADIX - 1))], 1)
+                    radix_suffix(tx, hist, sv, wsum)
+                    if tx < RADIX:
+                        if hist[tx] >= want and hist[tx + 1] < want:
+                            ctl[0] = tx
+                    T.sync_threads()
+                    tau = prefix | (T.Cast(T.uint32, ctl[0]) << T.uint32(32 - FIRST_BITS - RADIX_BITS))
+                    for it in T.serial(n_vit):
+                        jb = (base_v + it * threads + tx) * vec
+                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
+                        for v in T.unroll(vec):
+                            key = _ordered_key(xv[v])
+                            append(tx, (jb + v >= start) & (jb + v < end) & (key >= tau), cnt[0], wb, slot)
+                            if (jb + v >= start) & (jb + v < end) & (key >= tau):
+                                if slot[0] < candidates:
+                                    ckey[slot[0]] = key
+                                    cidx[slot[0]] = jb + v
+                    T.sync_threads()
+                    ncand = cnt[0]
+                    from_row = T.if_then_else((ncand < topk) | (ncand > candidates), 1, 0)  # the bound missed: the row
+                    prefix = T.uint32(0)
+                    pmask = T.uint32(0)
+                    n_rounds = 4
+                else:
+                    krem = krem - ctl[3]
+                    # one pass: keys above the bin are winners; the bin's keys go to shared memory. Every lane runs
+                    # every trip (the warp's appends); lanes past the row's end carry no key.
+                    for it in T.serial(n_vit):
+                        jb = (base_v + it * threads + tx) * vec
+                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
+                        for v in T.unroll(vec):
+                            key = _ordered_key(xv[v])
+                            append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1], wb,
+                                   slot)
+                            if (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix):
+                                skey[slot[0]] = key ^ FLIP
+                                sidx[slot[0]] = jb + v
+                            append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix), cnt[0], wb,
+                                   slot)
+                            if (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix):
+                                if slot[0] < candidates:
+                                    ckey[slot[0]] = key
+                                    cidx[slot[0]] = jb + v
+                    T.sync_threads()
+                    ncand = cnt[0]
+                    from_row = T.if_then_else(ncand > candidates, 1, 0)
+                    n_rounds = 3
+                    if from_row == 1:
+                        T.sync_threads()
+                        if tx == 0:
+                            ctl[1] = 0                               # the gather below rewrites every winner
+                # the other rounds and the gather: on the candidates in shared memory, or on the row when they
+                # did not fit (one code path: the source is chosen per CTA, not per element). After the 12-bit
+                # round: bits 19-12, 11-4, 7-0 (the last overlaps the one before: its bits already match).
+                n_src = T.if_then_else(from_row == 1, n_valid, ncand)
+                for rnd in T.serial(n_rounds):
+                    shift = T.Cast(T.uint32, T.max(T.if_then_else(n_rounds == 4, 24, 32 - FIRST_BITS - RADIX_BITS)
+                                                   - rnd * RADIX_BITS, 0))
                     T.sync_threads()
                     for it in T.serial(T.ceildiv(RADIX + 1, threads)):
                         p = it * threads + tx
@@ -357,23 +511,14 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     for it in T.serial(T.ceildiv(n_src, threads)):
                         c = it * threads + tx
                         if c < n_src:
-                            if ncand <= candidates:
-                                key = ckey[c]
-                            else:
+                            if from_row == 1:
                                 x = Logits[row, start + c]
                                 key = _ordered_key(x)
+                            else:
+                                key = ckey[c]
                             if (key & pmask) == prefix:
                                 T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
-                    for step in T.serial(RADIX_BITS):
-                        T.sync_threads()
-                        if tx < RADIX:
-                            val = hist[tx]
-                            if tx + (1 << step) < RADIX:
-                                val = val + hist[tx + (1 << step)]
-                        T.sync_threads()
-                        if tx < RADIX:
-                            hist[tx] = val
-                    T.sync_threads()
+                    radix_suffix(tx, hist, sv, wsum)
                     if tx < RADIX:
                         if hist[tx] >= krem and hist[tx + 1] < krem:
                             ctl[0] = tx
@@ -388,13 +533,13 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     key = T.uint32(0)
                     kid = 0
                     if c < n_src:
-                        if ncand <= candidates:
-                            key = ckey[c]
-                            kid = cidx[c]
-                        else:
+                        if from_row == 1:
                             x = Logits[row, start + c]
                             key = _ordered_key(x)
                             kid = start + c
+                        else:
+                            key = ckey[c]
+                            kid = cidx[c]
                     append(tx, (c < n_src) & (key > prefix), ctl[1], wb, slot)
                     if (c < n_src) & (key > prefix):
                         skey[slot[0]] = key ^ FLIP
@@ -422,17 +567,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                                 key = _ordered_key(xv[v])
                                 if (key & pmask) == prefix:
                                     T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
-                    # suffix sums over the RADIX bins (Hillis-Steele)
-                    for step in T.serial(RADIX_BITS):
-                        T.sync_threads()
-                        if tx < RADIX:
-                            val = hist[tx]
-                            if tx + (1 << step) < RADIX:
-                                val = val + hist[tx + (1 << step)]
-                        T.sync_threads()
-                        if tx < RADIX:
-                            hist[tx] = val
-                    T.sync_threads()
+                    radix_suffix(tx, hist, sv, wsum)
                     if tx < RADIX:
                         if hist[tx] >= krem and hist[tx + 1] < krem:
                             ctl[0] = tx
@@ -467,7 +602,55 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                         sidx[j - start] = j
 
             # bitonic sort ascending by (skey, sidx)
-            if sort_elems:
+            if sort_elems and sort_packed:
+                # as below, with each (key, id) pair one uint64 (key in the high word): one 64-bit compare and
+                # one shuffle of it per exchange instead of two of each
+                T.sync_threads()
+                if tx < sort_threads:
+                    for e in T.unroll(E, explicit=True):
+                        rp[e] = (T.Cast(T.uint64, skey[tx * E + e]) << T.uint64(32)) | T.Cast(
+                            T.uint64, T.Cast(T.uint32, sidx[tx * E + e]))
+                for kk in T.unroll(log_n, explicit=True):
+                    for jj in T.unroll(log_n, explicit=True):
+                        if jj <= kk:
+                            if (1 << (kk - jj)) < E:
+                                if tx < sort_threads:
+                                    for e in T.unroll(E, explicit=True):
+                                        if (e & (1 << (kk - jj))) == 0:
+                                            pa = rp[e]
+                                            pb = rp[e | (1 << (kk - jj))]
+                                            if T.if_then_else(((tx * E + e) & (2 << kk)) == 0, pa > pb, pb > pa):
+                                                rp[e] = pb
+                                                rp[e | (1 << (kk - jj))] = pa
+                            elif (1 << (kk - jj)) < 32 * E:
+                                if tx < sort_threads:                # whole warps: full-mask shuffles
+                                    for e in T.unroll(E, explicit=True):
+                                        po = T.shfl_xor(rp[e], (1 << (kk - jj)) // E)
+                                        if T.if_then_else(((tx & ((1 << (kk - jj)) // E)) == 0)
+                                                          == (((tx * E + e) & (2 << kk)) == 0), rp[e] > po, po > rp[e]):
+                                            rp[e] = po
+                            else:
+                                T.sync_threads()
+                                if tx < sort_threads:
+                                    for e in T.unroll(E, explicit=True):
+                                        skey[tx * E + e] = T.Cast(T.uint32, rp[e] >> T.uint64(32))
+                                        sidx[tx * E + e] = T.Cast(T.int32, T.Cast(T.uint32, rp[e] & T.uint64(0xFFFFFFFF)))
+                                T.sync_threads()
+                                if tx < sort_threads:
+                                    for e in T.unroll(E, explicit=True):
+                                        po = (T.Cast(T.uint64, skey[(tx ^ ((1 << (kk - jj)) // E)) * E + e])
+                                              << T.uint64(32)) | T.Cast(T.uint64, T.Cast(
+                                                  T.uint32, sidx[(tx ^ ((1 << (kk - jj)) // E)) * E + e]))
+                                        if T.if_then_else(((tx & ((1 << (kk - jj)) // E)) == 0)
+                                                          == (((tx * E + e) & (2 << kk)) == 0), rp[e] > po, po > rp[e]):
+                                            rp[e] = po
+                if tx < sort_threads:
+                    for e in T.unroll(E, explicit=True):
+                        if tx * E + e < topk:
+                            Out[row, tx * E + e] = T.if_then_else(
+                                (rp[e] & T.uint64(0xFFFFFFFF)) == T.uint64(_INT_MAX), -1,
+                                T.Cast(T.int32, T.Cast(T.uint32, rp[e] & T.uint64(0xFFFFFFFF))))
+            elif sort_elems:
                 # element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread
                 # (d < E), the same warp (d < 32 E: a shuffle) or another warp (shared memory)
                 T.sync_threads()
@@ -561,11 +744,15 @@ _IN_DTYPES = {torch.bfloat16: T.bfloat16, torch.float8_e4m3fn: T.float8_e4m3fn}
 
 @functools.lru_cache(maxsize=None)
 def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in_dtype=torch.bfloat16,
-                           warp_specialized: bool = True, **tunables):
+                           warp_specialized: bool = True, unchecked: bool = False, **tunables):
     """``warp_specialized=False`` keeps every warp on the math (no producer warpgroup), so that smaller CTAs
-    fit several to an SM and one CTA's epilogue overlaps another's MMAs."""
+    fit several to an SM and one CTA's epilogue overlaps another's MMAs. ``unchecked`` drops the safe-memory
+    pass's per-element bounds tests: every access is in bounds when the query rows are a multiple of block_Q
+    and the keys of block_N, as the launcher pads them."""
     configs = {} if warp_specialized else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
                                            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
+    if unchecked:
+        configs[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
     return tilelang.compile(build_indexer_logits(heads, dim, _IN_DTYPES[in_dtype], **tunables),
                             target={"kind": "cuda", "arch": target_arch}, pass_configs=configs)
 
@@ -580,8 +767,18 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # A version that ran tile t+1's MMA asynchronously into a second accumulator under tile t's epilogue (a ring
 # of four key tiles; 2026-12-02) was slower: 12.67 ms bf16 at 32K against 8.93 in the same run (2 CTAs per
 # SM), so it was dropped. ptxas (CUDA 13.0, FP8 tiles): 156 registers, no spills; with min_blocks=4 (4 CTAs per
-# SM) 128, no spills; min_blocks=5: 96, 84 B spilled. min_blocks 4 and 5 are in bench_kernels' sweep, not yet run.
-LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False}
+# SM) 128, no spills; min_blocks=5: 96, 84 B spilled. Then (2026-12-02, fifth session; FP8, S=32K, ms, same run):
+# 6.06 as above, 6.02 with min_blocks=4, 5.67 storing interior tiles without the range test (full_tiles), 5.30
+# without the safe-memory bounds tests (unchecked), 5.22 with all three (843 TFLOP/s; bf16 8.83 -> 7.89), the
+# same logits bit for bit (benchmarks/results/bench_kernels_sweep_run11_h200.json). The kernel is then bound by
+# instruction issue: about two instructions per logit in the fp32 epilogue (ReLU, weighted head sum) beside the
+# MMA's 256 FLOP per logit.
+LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4}
+
+
+# the logits kernel without the op's store and register options: what they must not change (the GPU tests)
+PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1}
 
 
 def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str):
@@ -598,14 +795,28 @@ def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str)
 # threshold bin overflows into the fallback rounds. Then (2026-12-02) vector loads, per-warp slot atomics and
 # the register sort: the FP8 op at 64K 41.5 ms against 43.0 with the select before them, at 128K 153.1 against
 # 163.8 (benchmarks/results/bench_kernels_run10_h200.json; vector loads alone, at 32K: 5.40 against 5.76 ms).
+# Then (fifth session, S=32K, same logits, ms): 5.96 as above, 5.28 with the packed register sort, 4.84 with the
+# sampled first round, warp-shuffle scans, the packed sort and 3 CTAs' registers (select_sampled_min3 in
+# bench_kernels_sweep_run11_h200.json); the FP8 op at 64K 34.3 ms (select 12.5) against 40.7 with the kernels
+# before, at 128K 129.2 (select 37.4) against 152.4 (bench_kernels_topk_run11_h200.json). Per row, the select's
+# fixed work (sort, scans, rounds on the candidates) is then most of its time up to 32K keys. At 64K (same run,
+# bench_kernels_sweep_run12_h200.json): 12.10 ms, 14.40 for the select before the session, 11.47 with per-key
+# slot atomics (in the sampled pass ~8% of the keys take a slot: one atomic each is cheaper than a ballot,
+# popc and shuffle for every key). With all of them, the FP8 op: 33.8 ms at 64K (logits 21.7, select 11.8)
+# against 41.1 with the kernels before the session, 127.4 at 128K (logits 90.7, select 35.1) against 151.4, the
+# same ID sets (bench_kernels_topk_run13_h200.json).
 # Read per call like LOGITS_TUNABLES (a benchmark patches the whole dict to time another select beside it);
 # keys it leaves out take build_topk_select's defaults, the select before any of these choices.
 SELECT_TUNABLES = {
-    "candidates": 2048,
+    "candidates": 4096,   # shared-memory candidates: the threshold bin's, or the sampled bound's (~1.3 topk)
     "threads": 512,       # per row's CTA (a power of two dividing 4096 for the two-read select)
     "vec": 4,             # scores per thread per trip over the row (one float4 load); must divide BLOCK_N
     "sort_elems": 8,      # (key, id) pairs per thread in the register bitonic sort; 0 = all in shared memory
-    "warp_append": True,  # one shared atomic per warp for the winners' and candidates' slots
+    "warp_append": False,  # one shared atomic per key that takes a slot (True: one per warp, ballot and popc)
+    "sample": 8,          # rows of >= SAMPLE_MIN_ROW * candidates keys: the first round on every 8th vector
+    "warp_scan": True,    # the histograms' suffix sums through warp shuffles
+    "sort_packed": True,  # the register sort on one uint64 per (key, id)
+    "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
 }
 
 
@@ -630,13 +841,15 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             32, 128, target_arch, torch.bfloat16, **({"block_Q": 4} | LOGITS_TUNABLES)),
         "indexer_logits_fp8[h32,d128]": lambda: compile_indexer_logits.__wrapped__(
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
-        "indexer_logits_fp8_min4[h32,d128]": lambda: compile_indexer_logits.__wrapped__(     # bench_kernels
-            32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | {"min_blocks": 4})),
+        "indexer_logits_fp8_plain[h32,d128]": lambda: compile_indexer_logits.__wrapped__(    # the tests' baseline
+            32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | PLAIN_LOGITS)),
         "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
         "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
             2048, target_arch, **SELECT_TUNABLES),
         "topk_select_hist_aggregate[k2048]": lambda: compile_topk_select.__wrapped__(  # bench_kernels' sweep
-            2048, target_arch, **(SELECT_TUNABLES | {"hist_aggregate": True})),
+            2048, target_arch, **(SELECT_TUNABLES | {"hist_aggregate": True, "sample": 0})),
+        "topk_select_unsampled[k2048]": lambda: compile_topk_select.__wrapped__(       # Hillis-Steele, shared sort
+            2048, target_arch, **(SELECT_TUNABLES | {"sample": 0, "warp_scan": False, "sort_packed": False})),
     }
 
 
