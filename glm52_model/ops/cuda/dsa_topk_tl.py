@@ -770,9 +770,10 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # SM) 128, no spills; min_blocks=5: 96, 84 B spilled. Then (2026-12-02, fifth session; FP8, S=32K, ms, same run):
 # 6.06 as above, 6.02 with min_blocks=4, 5.67 storing interior tiles without the range test (full_tiles), 5.30
 # without the safe-memory bounds tests (unchecked), 5.22 with all three (843 TFLOP/s; bf16 8.83 -> 7.89), the
-# same logits bit for bit (benchmarks/results/bench_kernels_sweep_run11_h200.json). The kernel is then bound by
-# instruction issue: about two instructions per logit in the fp32 epilogue (ReLU, weighted head sum) beside the
-# MMA's 256 FLOP per logit.
+# same logits bit for bit (benchmarks/results/bench_kernels_sweep_run11_h200.json). What each key tile costs
+# beside its four e4m3 wgmma is then mostly the fp32 epilogue: per thread, 64 max, 72 mul, 80 add, 16 shuffles
+# and the stores, about 300 PTX instructions on the interior path (`nvcc -ptx` on the kernel's source); the
+# kernel with these options has not been through Nsight Compute.
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                    "full_tiles": True, "unchecked": True, "min_blocks": 4}
 
