@@ -150,11 +150,12 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
 
 
 # The top-k op's kernels before issue 13's fifth H200 session (2026-12-02), timed beside today's (pinned, so
-# that the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES change)
+# that the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES change). The select's register sort is
+# today's (one uint64 per pair): the one it had then, key and id apart, was dropped after that session.
 PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                    "full_tiles": False, "unchecked": False, "min_blocks": 1}
 PREVIOUS_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
-                   "sample": 0, "warp_scan": False, "sort_packed": False, "min_blocks": 1}
+                   "sample": 0, "warp_scan": False, "min_blocks": 1}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
@@ -247,7 +248,6 @@ SELECT_SWEEP = {
     "fourth_session": FOURTH_SESSION_SELECT,
     "unsampled": {"sample": 0, "candidates": 2048},             # the 12-bit round on every row
     "shared_sort": {"sort_elems": 0},
-    "unpacked_sort": {"sort_packed": False},
     "sort16": {"sort_elems": 16},                               # 16 pairs a thread: 128 sorting threads
     "sort4": {"sort_elems": 4},                                 # 4 a thread: all 512 sort
     "lane_atomics": {"warp_append": False},

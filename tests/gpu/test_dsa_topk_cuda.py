@@ -157,11 +157,11 @@ OP_SELECT = "op"          # the op's SELECT_TUNABLES, read when the test runs
     {"candidates": 64},                                                         # one score per load, shared sort
     OP_SELECT, {"candidates": 64, "sample": 0, "base": OP_SELECT},              # the op's, and it overflowing
     {"candidates": 0, "sample": 0, "base": OP_SELECT},                          # four rounds, op's loads/sort
-    {"sort_elems": 16, "threads": 256, "vec": 8, "warp_append": False, "sort_packed": False, "base": OP_SELECT},
+    {"sort_elems": 16, "threads": 256, "vec": 8, "warp_append": False, "base": OP_SELECT},
     {"sort_elems": 16, "threads": 256, "base": OP_SELECT},
     {"hist_aggregate": True, "sample": 0, "base": OP_SELECT},
     {"hist_aggregate": True, "candidates": 64, "sample": 0, "base": OP_SELECT},
-    {"warp_scan": False, "sort_packed": False, "min_blocks": 1, "base": OP_SELECT},
+    {"warp_scan": False, "min_blocks": 1, "base": OP_SELECT},
     {"candidates": 64, "sample": 0, "warp_scan": False, "base": OP_SELECT},
 ], ids=lambda t: "op" if t == OP_SELECT else "-".join(f"{k}{v}" for k, v in t.items() if k != "base")
          + ("-op" if isinstance(t, dict) and "base" in t else ""))
@@ -229,7 +229,7 @@ def test_logits_kernel_register_bound_writes_the_same_logits(dtype, over):
 SAMPLED_SELECTS = [                                        # overrides of the op's SELECT_TUNABLES ({}: the op's)
     {},
     {"sample": 16, "candidates": 3072, "threads": 256, "min_blocks": 1},
-    {"warp_scan": False, "sort_packed": False, "sort_elems": 0, "min_blocks": 1},  # Hillis-Steele, shared sort
+    {"warp_scan": False, "sort_elems": 0, "min_blocks": 1},               # Hillis-Steele, shared sort
 ]
 
 

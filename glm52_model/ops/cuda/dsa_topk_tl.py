@@ -142,7 +142,7 @@ def _ordered_key(x):
 
 def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
                       warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
-                      warp_scan: bool = False, sort_packed: bool = False, min_blocks: int = 1):
+                      warp_scan: bool = False, min_blocks: int = 1):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
     ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
@@ -161,7 +161,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
     - ``sort_elems > 0``: the final bitonic sort keeps ``sort_elems`` (key, id) pairs per thread in
       registers: the stages whose partner is in the same thread or warp run in registers or through warp
       shuffles, only the few with a partner in another warp through shared memory (66 shared-memory stages
-      for 2048 ids, with a barrier each, become 6). ``0``: every stage through shared memory.
+      for 2048 ids, with a barrier each, become 6), each (key, id) one uint64 (at 64K on the H200, 12.10 ms
+      against 14.35 with key and id apart, a version since dropped). ``0``: every stage through shared memory.
     - ``hist_aggregate`` (with ``candidates``): the first round's histogram takes one atomic per distinct bin
       per warp (``match_any``; the lowest lane of each group adds the group's size) instead of one per key;
       keys of a row that fall in few bins otherwise serialise on them.
@@ -175,8 +176,6 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
       The result is exact either way.
     - ``warp_scan``: the histograms' suffix sums by warp shuffles and one pass over the warps' totals (two
       barriers) instead of Hillis-Steele through shared memory (two barriers a step: 16 for 256 bins).
-    - ``sort_packed`` (with ``sort_elems``): each (key, id) of the register sort is one uint64, one compare
-      and one shuffle per exchange.
     - ``min_blocks``: CTAs per SM the register allocation must leave room for (``__launch_bounds__``).
     """
     sort_n = max(next_pow2(topk), 32 if sort_elems else 1)
@@ -271,13 +270,6 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 for v in T.vectorized(vec):
                     xv[v] = Logits[row, jv * vec + v]
 
-    @T.macro
-    def take_other(mk, mi, ok, oi, lower, asc):
-        # bitonic compare-exchange seen from one side: whether this side takes the other's (key, id); the
-        # lower index keeps the smaller pair when the block sorts ascending, the larger when descending
-        return T.if_then_else(lower == asc, (mk > ok) | ((mk == ok) & (mi > oi)),
-                              (ok > mk) | ((ok == mk) & (oi > mi)))
-
     @T.prim_func
     def topk_select(
         Logits: T.Tensor([seq_q, seq_k], T.float32),
@@ -301,15 +293,10 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 ncand = T.alloc_var(T.int32)
                 kid = T.alloc_var(T.int32)
             if sort_elems:
-                rk = T.alloc_local([E], T.uint32)  # this thread's pairs while sorting
-                ri = T.alloc_local([E], T.int32)
-                ok = T.alloc_var(T.uint32)
-                oi = T.alloc_var(T.int32)
-                if sort_packed:
-                    rp = T.alloc_local([E], T.uint64)
-                    pa = T.alloc_var(T.uint64)
-                    pb = T.alloc_var(T.uint64)
-                    po = T.alloc_var(T.uint64)
+                rp = T.alloc_local([E], T.uint64)  # this thread's (key, id) pairs while sorting
+                pa = T.alloc_var(T.uint64)
+                pb = T.alloc_var(T.uint64)
+                po = T.alloc_var(T.uint64)
 
             sv = T.alloc_local([2], T.int32)                  # a scan's value in this thread, a shuffled one
             wsum = T.alloc_shared([32], T.int32)              # the scans' warp totals
@@ -602,9 +589,10 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                         sidx[j - start] = j
 
             # bitonic sort ascending by (skey, sidx)
-            if sort_elems and sort_packed:
-                # as below, with each (key, id) pair one uint64 (key in the high word): one 64-bit compare and
-                # one shuffle of it per exchange instead of two of each
+            if sort_elems:
+                # element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread
+                # (d < E), the same warp (d < 32 E: a shuffle) or another warp (shared memory). Each (key, id)
+                # is one uint64 (key in the high word): one 64-bit compare and one shuffle of it per exchange
                 T.sync_threads()
                 if tx < sort_threads:
                     for e in T.unroll(E, explicit=True):
@@ -650,60 +638,6 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                             Out[row, tx * E + e] = T.if_then_else(
                                 (rp[e] & T.uint64(0xFFFFFFFF)) == T.uint64(_INT_MAX), -1,
                                 T.Cast(T.int32, T.Cast(T.uint32, rp[e] & T.uint64(0xFFFFFFFF))))
-            elif sort_elems:
-                # element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread
-                # (d < E), the same warp (d < 32 E: a shuffle) or another warp (shared memory)
-                T.sync_threads()
-                if tx < sort_threads:
-                    for e in T.vectorized(E):
-                        rk[e] = skey[tx * E + e]
-                    for e in T.vectorized(E):
-                        ri[e] = sidx[tx * E + e]
-                for kk in T.unroll(log_n, explicit=True):
-                    for jj in T.unroll(log_n, explicit=True):
-                        if jj <= kk:
-                            if (1 << (kk - jj)) < E:
-                                if tx < sort_threads:
-                                    for e in T.unroll(E, explicit=True):
-                                        if (e & (1 << (kk - jj))) == 0:
-                                            ak = rk[e]
-                                            ai = ri[e]
-                                            bk = rk[e | (1 << (kk - jj))]
-                                            bi = ri[e | (1 << (kk - jj))]
-                                            if take_other(ak, ai, bk, bi, True, ((tx * E + e) & (2 << kk)) == 0):
-                                                rk[e] = bk
-                                                ri[e] = bi
-                                                rk[e | (1 << (kk - jj))] = ak
-                                                ri[e | (1 << (kk - jj))] = ai
-                            elif (1 << (kk - jj)) < 32 * E:
-                                if tx < sort_threads:                # whole warps: full-mask shuffles
-                                    for e in T.unroll(E, explicit=True):
-                                        ok = T.shfl_xor(rk[e], (1 << (kk - jj)) // E)
-                                        oi = T.shfl_xor(ri[e], (1 << (kk - jj)) // E)
-                                        if take_other(rk[e], ri[e], ok, oi, (tx & ((1 << (kk - jj)) // E)) == 0,
-                                                      ((tx * E + e) & (2 << kk)) == 0):
-                                            rk[e] = ok
-                                            ri[e] = oi
-                            else:
-                                T.sync_threads()
-                                if tx < sort_threads:
-                                    for e in T.vectorized(E):
-                                        skey[tx * E + e] = rk[e]
-                                    for e in T.vectorized(E):
-                                        sidx[tx * E + e] = ri[e]
-                                T.sync_threads()
-                                if tx < sort_threads:
-                                    for e in T.unroll(E, explicit=True):
-                                        ok = skey[(tx ^ ((1 << (kk - jj)) // E)) * E + e]
-                                        oi = sidx[(tx ^ ((1 << (kk - jj)) // E)) * E + e]
-                                        if take_other(rk[e], ri[e], ok, oi, (tx & ((1 << (kk - jj)) // E)) == 0,
-                                                      ((tx * E + e) & (2 << kk)) == 0):
-                                            rk[e] = ok
-                                            ri[e] = oi
-                if tx < sort_threads:
-                    for e in T.unroll(E, explicit=True):
-                        if tx * E + e < topk:
-                            Out[row, tx * E + e] = T.if_then_else(ri[e] == _INT_MAX, -1, ri[e])
             else:
                 for kk in T.serial(log_n):
                     for jj in T.serial(kk + 1):
@@ -803,7 +737,7 @@ def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str)
 # fixed work (sort, scans, rounds on the candidates) is then most of its time up to 32K keys. At 64K (same run,
 # bench_kernels_sweep_run12_h200.json): 12.10 ms, 14.40 for the select before the session, 11.47 with per-key
 # slot atomics (in the sampled pass ~8% of the keys take a slot: one atomic each is cheaper than a ballot,
-# popc and shuffle for every key). With all of them, the FP8 op: 33.8 ms at 64K (logits 21.7, select 11.8)
+# popc and shuffle for every key; the register sort with key and id apart, 14.35, since dropped). With all of them, the FP8 op: 33.8 ms at 64K (logits 21.7, select 11.8)
 # against 41.1 with the kernels before the session, 127.4 at 128K (logits 90.7, select 35.1) against 151.4, the
 # same ID sets (bench_kernels_topk_run13_h200.json).
 # Read per call like LOGITS_TUNABLES (a benchmark patches the whole dict to time another select beside it);
@@ -816,7 +750,6 @@ SELECT_TUNABLES = {
     "warp_append": False,  # one shared atomic per key that takes a slot (True: one per warp, ballot and popc)
     "sample": 8,          # rows of >= SAMPLE_MIN_ROW * candidates keys: the first round on every 8th vector
     "warp_scan": True,    # the histograms' suffix sums through warp shuffles
-    "sort_packed": True,  # the register sort on one uint64 per (key, id)
     "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
 }
 
@@ -850,7 +783,7 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
         "topk_select_hist_aggregate[k2048]": lambda: compile_topk_select.__wrapped__(  # bench_kernels' sweep
             2048, target_arch, **(SELECT_TUNABLES | {"hist_aggregate": True, "sample": 0})),
         "topk_select_unsampled[k2048]": lambda: compile_topk_select.__wrapped__(       # Hillis-Steele, shared sort
-            2048, target_arch, **(SELECT_TUNABLES | {"sample": 0, "warp_scan": False, "sort_packed": False})),
+            2048, target_arch, **(SELECT_TUNABLES | {"sample": 0, "warp_scan": False})),
     }
 
 
