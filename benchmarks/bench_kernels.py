@@ -105,6 +105,8 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
             lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), reps=reps)
         row["previous_kernels_ms"] = cuda_time_ms(
             lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
+        prev8 = tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
+    row["fp8_previous_kernels_id_overlap_mean"] = float(id_overlap(prev8, ids).mean())
     if not parts:
         return row, ids
     with mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | {"candidates": 0, "sample": 0}):  # four rounds, beside
@@ -149,13 +151,18 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     return row, ids
 
 
-# The top-k op's kernels before issue 13's fifth H200 session (2026-12-02), timed beside today's (pinned, so
-# that the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES change). The select's register sort is
-# today's (one uint64 per pair): the one it had then, key and id apart, was dropped after that session.
+# The top-k op's kernels before issue 13's sixth H200 session (2026-12-02), timed beside today's (pinned, so
+# that the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES change): TileLang's own logits epilogue.
 PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": False, "unchecked": False, "min_blocks": 1}
-PREVIOUS_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
-                   "sample": 0, "warp_scan": False, "min_blocks": 1}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "tile"}
+PREVIOUS_SELECT = {"candidates": 4096, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
+                   "sample": 8, "warp_scan": True, "min_blocks": 3}
+# ... and before the fifth. The select's register sort is today's (one uint64 per pair): the one it had then,
+# key and id apart, was dropped after that session.
+FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
+                        "full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile"}
+FIFTH_SESSION_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
+                        "sample": 0, "warp_scan": False, "min_blocks": 1}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
@@ -173,11 +180,14 @@ LOGITS_SWEEP = {
     "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
     "checked": {"unchecked": False},                  # the safe-memory pass's bounds tests
-    "session_start": PREVIOUS_LOGITS,                 # the op's tiles before issue 13's fifth session
+    "tile_epilogue": {"epilogue": "tile"},            # TileLang's ReLU, weights and reduce_sum (= session_start)
+    "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
+    "session_start": PREVIOUS_LOGITS,                 # the op's tiles before issue 13's sixth session
+    "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
 }
 
 
-def sweep_logits(S, reps, names=None):
+def sweep_logits(S, reps, names=None, select_names=None):
     """The logits kernel alone, bf16 and FP8, for each LOGITS_SWEEP entry: ms, TFLOP/s (causal: S^2/2 pairs
     x 32 heads x 128 x 2), and the largest difference from the default tiles' logits relative to the row
     scale (the tiles change only the order of the head sum)."""
@@ -225,6 +235,8 @@ def sweep_logits(S, reps, names=None):
     tl.compile_topk_select(topk, arch, candidates=3072, threads=1024)(want["bf16"], starts, ends, ref_ids)
     ref_sorted = torch.sort(ref_ids, 1).values
     for name, over in SELECT_SWEEP.items():
+        if select_names is not None and name not in select_names:
+            continue
         tun = tl.SELECT_TUNABLES | over
         row = {"S": S, "config": f"select_{name}", **tun}
         try:
@@ -240,11 +252,12 @@ def sweep_logits(S, reps, names=None):
 
 
 # ... and before the fourth (one score per load, per-key atomics, the sort in shared memory): the sweep's row
-FOURTH_SESSION_SELECT = PREVIOUS_SELECT | {"vec": 1, "sort_elems": 0, "warp_append": False}
+FOURTH_SESSION_SELECT = FIFTH_SESSION_SELECT | {"vec": 1, "sort_elems": 0, "warp_append": False}
 # The select's tunables timed side by side (--logits-sweep): name -> overrides of the op's SELECT_TUNABLES
 SELECT_SWEEP = {
     "default": {},
     "session_start": PREVIOUS_SELECT,
+    "fifth_session": FIFTH_SESSION_SELECT,
     "fourth_session": FOURTH_SESSION_SELECT,
     "unsampled": {"sample": 0, "candidates": 2048},             # the 12-bit round on every row
     "shared_sort": {"sort_elems": 0},
@@ -276,7 +289,7 @@ def _build_one(job):
         return kind, tunables, round(time.time() - t0, 1), f"{type(e).__name__}"
 
 
-def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=()):
+def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), select_names=None):
     """Build every top-k kernel a run may time (the op's, the sweeps', and ``selects``: more select tunables)
     in ``workers`` processes at once: a fresh machine compiles each in ~20 s, one at a time in the timing
     process. Later compiles of the same kernels load from TileLang's disk cache."""
@@ -288,7 +301,8 @@ def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=()):
             if not logits_names or name in logits_names for dt in (torch.bfloat16, torch.float8_e4m3fn)]
     jobs += [("logits", (32, 128, arch, dt), {"block_Q": 4} | PREVIOUS_LOGITS)
              for dt in (torch.bfloat16, torch.float8_e4m3fn)]
-    selects = [tl.SELECT_TUNABLES | over for over in SELECT_SWEEP.values()] + list(selects)
+    selects = [tl.SELECT_TUNABLES | over for name, over in SELECT_SWEEP.items()
+               if select_names is None or name in select_names] + list(selects)
     selects += [{}, {"candidates": 3072, "threads": 1024}, PREVIOUS_SELECT, tl.SELECT_TUNABLES | {"candidates": 0, "sample": 0}]
     jobs += [("select", (topk, arch), t) for t in selects]
     t0 = time.time()
@@ -490,6 +504,8 @@ def main(argv=None):
     p.add_argument("--topk-op-seq", default="", help="lengths at which to time only the top-k op (bf16, FP8; rows in 'topk')")
     p.add_argument("--logits-sweep", default="", help="sequence lengths for the logits kernel's tile sweep")
     p.add_argument("--logits-configs", default="", help="LOGITS_SWEEP names to run (default: all)")
+    p.add_argument("--select-configs", default=None,
+                   help="SELECT_SWEEP names the logits sweep also times (default: all; '' for none)")
     p.add_argument("--logits-tunables", default="",
                    help="JSON overrides of the op's LOGITS_TUNABLES for this whole run (recorded in the rows)")
     p.add_argument("--select-tunables", default="",
@@ -514,7 +530,8 @@ def main(argv=None):
     if args.precompile:
         from glm52_model.ops.cuda.dsa_topk_tl import cuda_target
         precompile(args.precompile, args.topk, [n for n in args.logits_configs.split(",") if n],
-                   cuda_target()["arch"])
+                   cuda_target()["arch"],
+                   select_names=None if args.select_configs is None else args.select_configs.split(","))
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
     for S in ints(args.topk_op_seq):
@@ -522,7 +539,9 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         result["topk"].append(row)
     for S in ints(args.logits_sweep):
-        result["logits_sweep"] += sweep_logits(S, args.reps, [n for n in args.logits_configs.split(",") if n])
+        selects = None if args.select_configs is None else [n for n in args.select_configs.split(",") if n]
+        result["logits_sweep"] += sweep_logits(S, args.reps, [n for n in args.logits_configs.split(",") if n],
+                                               selects)
     for S in ints(args.experts_seq):
         row = bench_experts(S, args.reps)
         print(json.dumps(row), flush=True)

@@ -41,9 +41,161 @@ _INT_MAX = 2147483647
 # --------------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------------
+# The logits kernel's register epilogues (``epilogue="lanes"`` / ``"mma"``), CUDA device functions called on the
+# wgmma accumulator of one 64-key tile. Its layout (one warpgroup, 64 x N, fp32): the thread of warp w, lane
+# 4g + t holds, for each 8-column group j, key rows 16w + g + 8r and GEMM columns 8j + 2t + c at
+# acc[4j + 2r + c] (r, c in {0, 1}), the layout TileLang's own fragment for it reports; GEMM column
+# i * H + h is query i's head h.
+_EPILOGUE_CUDA = r"""
+namespace dsa_logits {
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// the thread's weights, in accumulator order: w[2j + c] = W[8j + 2t + c] (W: the block's [QB, H] weights)
+template <int N>
+__device__ __forceinline__ void load_w(float* w, const float* __restrict__ W) {
+  const int t = threadIdx.x & 3;
+  #pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const float2 v = *reinterpret_cast<const float2*>(W + 8 * j + 2 * t);
+    w[2 * j] = v.x;
+    w[2 * j + 1] = v.y;
+  }
+}
+
+// one (query, key) logit: ks scale, the query's key range outside interior tiles, the store
+template <bool SCALED, bool FULL>
+__device__ __forceinline__ void put(float x, int q, int nk, const float* ks, float* __restrict__ out,
+                                    long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
+                                    int k0) {
+  if (SCALED) x *= ks[nk];
+  if (!FULL) {
+    const int key = k0 + nk;
+    if (key < starts[q] || key >= ends[q]) x = neg_inf();
+  }
+  out[q * seq_k + nk] = x;
+}
+
+// "lanes": sum_h w[i, h] * relu(acc) in fp32 FMAs over the thread's 2 * H / 8 terms per (query, row), then a
+// butterfly over the 4 lanes sharing those rows (lane bits 1, then 0), each step halving what a lane keeps.
+template <int QB, int H, bool SCALED, bool FULL>
+__device__ __forceinline__ void lanes(const float* acc, const float* w, const float* ks, float* __restrict__ out,
+                                      long long seq_k, const int* __restrict__ starts,
+                                      const int* __restrict__ ends, int k0) {
+  constexpr int G = H / 8;   // column groups per query
+  constexpr int V = 2 * QB;  // (query, row) sums per thread, at v[2q + r]
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float v[V];
+  #pragma unroll
+  for (int q = 0; q < QB; ++q) {
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float a = 0.f;
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        #pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int j = q * G + g;
+          a = fmaf(fmaxf(acc[4 * j + 2 * r + c], 0.f), w[2 * j + c], a);
+        }
+      }
+      v[2 * q + r] = a;
+    }
+  }
+  int n = V;
+  #pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int m = 2 >> s;
+    const bool hi = (lane & m) != 0;
+    if (n >= 2) {
+      #pragma unroll
+      for (int u = 0; u < V / 2; ++u) {
+        if (u < n / 2) {
+          const float keep = hi ? v[u + n / 2] : v[u];
+          const float send = hi ? v[u] : v[u + n / 2];
+          v[u] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+        }
+      }
+      n /= 2;
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], m);
+    }
+  }
+  #pragma unroll
+  for (int u = 0; u < (V >= 4 ? V / 4 : 1); ++u) {
+    const int idx = V >= 4 ? ((lane >> 1) & 1) * (V / 2) + (lane & 1) * (V / 4) + u : (lane >> 1) & 1;
+    if (V >= 4 || (lane & 1) == 0)
+      put<SCALED, FULL>(v[u], idx >> 1, warp * 16 + (lane >> 2) + 8 * (idx & 1), ks, out, seq_k, starts, ends,
+                        k0);
+  }
+}
+
+__device__ __forceinline__ unsigned int bf16x2(float lo, float hi) {
+  unsigned int d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ unsigned int relu_bf16x2(float lo, float hi) {
+  unsigned int d;
+  asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// "mma": B fragments (mma.m16n8k16, bf16) of the block-diagonal [N, 8] weights: B[i * H + h, i] = w[i, h]; the
+// lane of group g holds column g, so only query g's k-steps are non-zero
+template <int N, int H>
+__device__ __forceinline__ void load_wb(unsigned int* b, const float* __restrict__ W) {
+  const int g = (threadIdx.x >> 2) & 7, t = threadIdx.x & 3;
+  #pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk) {
+    const bool mine = (16 * kk) / H == g;
+    const float* wk = W + 16 * kk;
+    b[2 * kk] = mine ? bf16x2(wk[2 * t], wk[2 * t + 1]) : 0u;
+    b[2 * kk + 1] = mine ? bf16x2(wk[2 * t + 8], wk[2 * t + 9]) : 0u;
+  }
+}
+
+// "mma": relu(acc) rounded to bf16 in the accumulator's own registers is the A fragment of mma.m16n8k16 (the
+// warp's 16 key rows x 16 GEMM columns a k-step), times the weights' B: each warp's [16 keys, 8 queries]
+// logits in fp32, two independent accumulation chains. The lane 4g + t gets keys g, g + 8 for queries 2t, 2t + 1.
+template <int QB, int H, bool SCALED, bool FULL>
+__device__ __forceinline__ void mma(const float* acc, const unsigned int* b, const float* ks, float* __restrict__ out,
+                                    long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
+                                    int k0) {
+  constexpr int N = QB * H;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  #pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk) {
+    const float* x = acc + 8 * kk;   // column groups 2kk, 2kk + 1
+    const unsigned int a0 = relu_bf16x2(x[0], x[1]), a1 = relu_bf16x2(x[2], x[3]);
+    const unsigned int a2 = relu_bf16x2(x[4], x[5]), a3 = relu_bf16x2(x[6], x[7]);
+    float* e = d[kk & 1];
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(e[0]), "+f"(e[1]), "+f"(e[2]), "+f"(e[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b[2 * kk]), "r"(b[2 * kk + 1]));
+  }
+  const int g = lane >> 2, t = lane & 3;
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int q = 2 * t + c;
+      if (q < QB)
+        put<SCALED, FULL>(d[0][2 * r + c] + d[1][2 * r + c], q, warp * 16 + g + 8 * r, ks, out, seq_k, starts,
+                          ends, k0);
+    }
+  }
+}
+}  // namespace dsa_logits
+"""
+EPILOGUES = ("tile", "lanes", "mma")
+
+
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
                          block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1,
-                         full_tiles: bool = False):
+                         full_tiles: bool = False, epilogue: str = "tile"):
     """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
     be a multiple of block_Q, Sk of block_N.
 
@@ -53,6 +205,17 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     ``full_tiles``: a key tile inside every one of the block's query ranges (all but the last one or two of a
     causal row) stores its logits without the per-element range test and its reads of Starts / Ends.
     Whether TileLang splits producer and consumer warps is a pass config (:func:`compile_indexer_logits`).
+    ``epilogue``, what turns a tile's [block_N, block_Q * heads] products into [block_Q, block_N] logits:
+
+    - ``"tile"``: TileLang's elementwise ReLU and weight, its ``reduce_sum`` over heads (a 4-lane all-reduce for
+      each of the thread's 8 sums), every logit stored by one lane in four.
+    - ``"lanes"`` (one warpgroup, 64-key tiles): the CUDA functions of ``_EPILOGUE_CUDA`` on the accumulator's
+      registers: one FMA per product, then a butterfly over the 4 lanes that splits the sums between them (6
+      shuffles instead of 16), each lane storing its own. fp32 throughout: the same sums in another order.
+    - ``"mma"`` (FP8 builds with heads a multiple of 16; other builds take ``"lanes"``): ReLU and the rounding to
+      bf16 in one ``cvt`` per two products, then the head sum as a second, tiny GEMM on the tensor cores
+      (``mma.m16n8k16`` against the block-diagonal weights, which stay in registers), fp32 accumulate. The bf16
+      rounding of the products (2^-9 relative) is far below the e4m3 inputs' own (2^-4), not below bf16's.
     The logits are stored from the registers that reduced them: a version
     staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
     logits there, so it was dropped.
@@ -66,6 +229,12 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     # the keys' FP8 scales multiply each tile's output, from shared memory; bf16 builds leave them out (the
     # per-element global read of a ones vector cost the bf16 kernel 1.6x on the H200: 4.07 vs 2.57 ms at 16K)
     scaled = in_dtype != T.bfloat16
+    assert epilogue in EPILOGUES, f"epilogue must be one of {EPILOGUES}, not {epilogue!r}"
+    if epilogue == "mma" and (not scaled or heads % 16):
+        epilogue = "lanes"
+    if epilogue != "tile":
+        assert threads == 128 and block_N == 64, "the register epilogues take one warpgroup's 64-key tile"
+        fn = f"dsa_logits::{epilogue}<{block_Q}, {heads}, {str(scaled).lower()}"
 
     @T.prim_func
     def indexer_logits(
@@ -78,16 +247,23 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
         Logits: T.Tensor([seq_q, seq_k], accum),  # [Sq, Sk]
     ):
         with T.Kernel(T.ceildiv(seq_q, block_Q), threads=threads) as bx:
+            if epilogue != "tile":
+                T.import_source(_EPILOGUE_CUDA)
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             q_shared = T.alloc_shared([rows, dim], dtype)
             k_shared = T.alloc_shared([block_N, dim], dtype)
-            if scaled:
+            if scaled or epilogue != "tile":
                 ks_shared = T.alloc_shared([block_N], accum)
             s = T.alloc_fragment([block_N, rows], accum)
-            s3 = T.reshape(s, (block_N, block_Q, heads))
-            logits = T.alloc_fragment([block_N, block_Q], accum)
-            w = T.alloc_fragment([block_Q, heads], accum)
+            if epilogue == "tile":
+                s3 = T.reshape(s, (block_N, block_Q, heads))
+                logits = T.alloc_fragment([block_N, block_Q], accum)
+                w = T.alloc_fragment([block_Q, heads], accum)
+            elif epilogue == "lanes":
+                w = T.alloc_local([rows // 4], accum)             # the thread's weights, accumulator order
+            else:
+                w = T.alloc_local([rows // 8], T.uint32)          # the weights' mma B fragments, bf16 pairs
             lo = T.alloc_var(T.int32)
             hi = T.alloc_var(T.int32)
             in_lo = T.alloc_var(T.int32)                     # keys valid for every query of the block
@@ -108,7 +284,14 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             n_tiles = T.max(T.ceildiv(hi - lo, block_N), 0)
 
             T.copy(Q[q0 * heads, 0], q_shared)
-            T.copy(W[q0, 0], w)
+            if epilogue == "tile":
+                T.copy(W[q0, 0], w)
+            elif epilogue == "lanes":
+                T.call_extern("handle", f"dsa_logits::load_w<{rows}>", T.access_ptr(w, "w"),
+                              T.access_ptr(W[q0, 0], "r"))
+            else:
+                T.call_extern("handle", f"dsa_logits::load_wb<{rows}, {heads}>", T.access_ptr(w, "w"),
+                              T.access_ptr(W[q0, 0], "r"))
             for t in T.Pipelined(n_tiles, num_stages=num_stages):
                 k0 = lo + t * block_N
                 T.copy(K[k0, 0], k_shared)
@@ -116,20 +299,30 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
                     T.copy(KS[k0], ks_shared)
                 T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
-                for n, i, h in T.Parallel(block_N, block_Q, heads):
-                    s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
-                T.reduce_sum(s3, logits, dim=-1, clear=True)
-                if scaled:
-                    for n, i in T.Parallel(block_N, block_Q):
-                        logits[n, i] = logits[n, i] * ks_shared[n]
-                if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
-                    for i, n in T.Parallel(block_Q, block_N):
-                        Logits[q0 + i, k0 + n] = logits[n, i]
+                if epilogue != "tile":
+                    # s.data, not an access_ptr: TileLang would then infer a replicated layout for s
+                    args = (s.data, T.access_ptr(w, "r"), T.access_ptr(ks_shared, "r"),
+                            T.access_ptr(Logits[q0, k0], "w"), seq_k, T.access_ptr(Starts[q0], "r"),
+                            T.access_ptr(Ends[q0], "r"), k0)
+                    if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
+                        T.call_extern("handle", fn + ", true>", *args)
+                    else:
+                        T.call_extern("handle", fn + ", false>", *args)
                 else:
-                    for i, n in T.Parallel(block_Q, block_N):
-                        Logits[q0 + i, k0 + n] = T.if_then_else(
-                            (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
-                            -T.infinity(accum))
+                    for n, i, h in T.Parallel(block_N, block_Q, heads):
+                        s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
+                    T.reduce_sum(s3, logits, dim=-1, clear=True)
+                    if scaled:
+                        for n, i in T.Parallel(block_N, block_Q):
+                            logits[n, i] = logits[n, i] * ks_shared[n]
+                    if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
+                        for i, n in T.Parallel(block_Q, block_N):
+                            Logits[q0 + i, k0 + n] = logits[n, i]
+                    else:
+                        for i, n in T.Parallel(block_Q, block_N):
+                            Logits[q0 + i, k0 + n] = T.if_then_else(
+                                (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
+                                -T.infinity(accum))
 
     return indexer_logits
 
@@ -706,14 +899,21 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # without the safe-memory bounds tests (unchecked), 5.22 with all three (843 TFLOP/s; bf16 8.83 -> 7.89), the
 # same logits bit for bit (benchmarks/results/bench_kernels_sweep_run11_h200.json). What each key tile costs
 # beside its four e4m3 wgmma is then mostly the fp32 epilogue: per thread, 64 max, 72 mul, 80 add, 16 shuffles
-# and the stores, about 300 PTX instructions on the interior path (`nvcc -ptx` on the kernel's source); the
-# kernel with these options has not been through Nsight Compute.
+# and the stores, about 300 PTX instructions on the interior path (`nvcc -ptx` on the kernel's source). Then
+# (sixth session, same run, ms at 32K / 64K, FP8): TileLang's epilogue 5.22 / 22.78, "lanes" 4.50 / 20.46, "mma"
+# 4.47 / 19.27 (913 TFLOP/s); bf16 7.57 / 33.81 against 6.63 / 29.66 with "lanes"
+# (benchmarks/results/bench_kernels_sweep_run14_h200.json). "mma" leaves per tile, beside the wgmma, 32 cvt, 8
+# mma.sync and the 4 stores of each lane holding a result. Nsight Compute on it (S=32K,
+# benchmarks/results/ncu_topk_32k_h200.txt): issue slots 36% busy, shared-memory pipe 62% (the wgmma operands:
+# each CTA reads its 16 KB q tile from shared memory for every key tile), 3.9 warps per scheduler with 0.67
+# eligible: latency and the operands' shared-memory reads, no longer the epilogue's instructions.
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma"}
 
 
-# the logits kernel without the op's store and register options: what they must not change (the GPU tests)
-PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1}
+# the logits kernel without the op's store and register options and with TileLang's own epilogue: what the
+# options must not change and what the register epilogues are checked against (the GPU tests)
+PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile"}
 
 
 def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str):
