@@ -267,6 +267,7 @@ SELECT_SWEEP = {
     "vec1": {"vec": 1},
     "hist_aggregate": {"hist_aggregate": True, "sample": 0, "candidates": 2048},
     "no_warp_scan": {"warp_scan": False},
+    "bitonic": {"rank_sort": False},                            # the bitonic sort on every row
     "s16": {"sample": 16},
     "t256": {"threads": 256},
     "c3072": {"candidates": 3072},

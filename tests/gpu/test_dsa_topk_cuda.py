@@ -290,6 +290,7 @@ SAMPLED_SELECTS = [                                        # overrides of the op
     {},
     {"sample": 16, "candidates": 3072, "threads": 256, "min_blocks": 1},
     {"warp_scan": False, "sort_elems": 0, "min_blocks": 1},               # Hillis-Steele, shared sort
+    {"rank_sort": False},                                                 # the bitonic sort on every row
 ]
 
 
@@ -338,3 +339,39 @@ def test_sampled_select_is_exact_on_long_rows(tunables):
     assert torch.equal(got[gaussian], four[gaussian])
     rising = slice(24, 48)
     assert torch.equal(got[rising], four[rising])
+
+
+@pytest.mark.parametrize("rank_max", [0, 1 << 30], ids=["op", "never_bitonic"])
+def test_rank_sort_orders_as_the_bitonic_sort(rank_max):
+    """The counting sort of the winners gives the bitonic sort's output, element for element (score desc, then
+    id asc: one right answer): on long rows (the sampled round) and short ones, Gaussian, spanning zero, with
+    pairs of equal scores, with one outlier, all tied, half -inf and shorter than top-k. With ``rank_max`` huge
+    no row falls back to the bitonic sort, whatever its buckets hold, so every row is ranked by the counting
+    sort itself."""
+    topk, Sk = 2048, 20480
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n = 8
+    pos = torch.arange(Sk, device="cuda")
+    kinds = [torch.randn(n, Sk, device="cuda", generator=g),
+             torch.randn(n, Sk, device="cuda", generator=g) * 0.01 - 0.005,          # around zero, both signs
+             (torch.randn(n, Sk // 2, device="cuda", generator=g)).repeat_interleave(2, 1),  # pairs of ties
+             torch.randn(n, Sk, device="cuda", generator=g).index_fill(1, pos[:1] + 77, 1e30),  # an outlier
+             torch.full((n, Sk), 0.25, device="cuda"),
+             torch.randn(n, Sk, device="cuda", generator=g).masked_fill(pos % 2 == 0, float("-inf"))]
+    scores = torch.cat(kinds)
+    R = scores.shape[0]
+    starts = torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
+    ends = Sk - torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
+    ends[1::4] = starts[1::4] + 3000                         # the 12-bit round's rows
+    ends[2::8] = starts[2::8] + 1500                         # fewer keys than top-k: -1 padded
+    valid = (pos >= starts[:, None].long()) & (pos < ends[:, None].long())
+    scores = scores.masked_fill(~valid, float("-inf")).contiguous()
+    arch = tl_ops.cuda_target()["arch"]
+    want = torch.empty(R, topk, dtype=torch.int32, device="cuda")
+    got = torch.empty_like(want)
+    tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": False}))(
+        scores, starts, ends, want)
+    tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": True, "rank_max": rank_max}))(
+        scores, starts, ends, got)
+    _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
+    assert torch.equal(got, want)

@@ -35,6 +35,7 @@ RADIX = 1 << RADIX_BITS
 FIRST_BITS = 12  # the two-read select's first round
 FIRST_BINS = 1 << FIRST_BITS
 SAMPLE_MIN_ROW = 4  # with `sample`: rows of at least this many times `candidates` keys take the sampled round 0
+RANK_MAX = 32  # with `rank_sort`: the most winners a bucket may hold before the row takes the bitonic sort
 _INT_MAX = 2147483647
 
 
@@ -333,9 +334,16 @@ def _ordered_key(x):
     return T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
 
 
+def _from_ordered_key(key):
+    """The inverse of :func:`_ordered_key`: uint32 -> the fp32 it orders."""
+    return T.reinterpret(T.if_then_else(key >= T.uint32(0x80000000), key & T.uint32(0x7FFFFFFF),
+                                        key ^ T.uint32(0xFFFFFFFF)), T.float32)
+
+
 def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
                       warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
-                      warp_scan: bool = False, min_blocks: int = 1):
+                      warp_scan: bool = False, rank_sort: bool = False, rank_max: int = 0,
+                      min_blocks: int = 1):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
     ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
@@ -369,6 +377,15 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
       The result is exact either way.
     - ``warp_scan``: the histograms' suffix sums by warp shuffles and one pass over the warps' totals (two
       barriers) instead of Hillis-Steele through shared memory (two barriers a step: 16 for 256 bins).
+    - ``rank_sort`` (with ``candidates >= next_pow2(topk)``, else the bitonic sort): the winners' order by a counting sort instead of the bitonic
+      network: each winner's bucket is its score's place, linear, between the row's largest and smallest
+      finite winner (``next_pow2(topk)`` buckets); the buckets' prefix sums place them, and a winner's rank in
+      its bucket is the number of its bucket's keys that order before it (score desc, id asc), so the result
+      does not depend on the order the atomics ran in. A row where a bucket holds more than ``RANK_MAX``
+      winners (ties, or one outlier squeezing the rest together; ``rank_max``, 0: ``RANK_MAX``) sorts them with
+      the bitonic network: the ranks would be as exact, only slower.
+      The sampled pass over the row also compares each score of a vector inside the row with the bound as a
+      float, without the key transform or the range tests.
     - ``min_blocks``: CTAs per SM the register allocation must leave room for (``__launch_bounds__``).
     """
     sort_n = max(next_pow2(topk), 32 if sort_elems else 1)
@@ -378,6 +395,9 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
         E = min(max(sort_elems, sort_n // threads), sort_n // 32)      # pairs per sorting thread
         sort_threads = sort_n // E                                     # whole warps
         assert E & (E - 1) == 0 and sort_threads <= threads and sort_threads % 32 == 0, (E, sort_threads)
+    rank_sort = rank_sort and candidates >= sort_n           # its buckets live in the candidates' buffers
+    rank_e = max(1, -(-sort_n // threads))                        # winners per thread in the counting sort
+    rank_b = rank_e                                              # ... and buckets
     seq_q = T.dynamic("seq_q")
     seq_k = T.dynamic("seq_k_vecs") * vec                        # a multiple of vec: aligned vector loads
     per = FIRST_BINS // threads                                  # first-round bins per thread
@@ -515,6 +535,18 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             bk = T.alloc_var(T.uint32)
             ai = T.alloc_var(T.int32)
             bi = T.alloc_var(T.int32)
+            do_sort = T.alloc_var(T.int32)                    # 0: the counting sort placed every winner
+            if rank_sort:
+                big = T.alloc_shared([1], T.int32)            # a bucket holds more than RANK_MAX winners
+                wmx = T.alloc_shared([32], T.float32)         # the warps' largest finite winner ...
+                wmn = T.alloc_shared([32], T.float32)         # ... and smallest
+                bkt = T.alloc_local([rank_e], T.int32)        # this thread's winners' buckets
+                xmx = T.alloc_var(T.float32)
+                xmn = T.alloc_var(T.float32)
+                bscale = T.alloc_var(T.float32)
+                tau_f = T.alloc_var(T.float32)
+                r_lo = T.alloc_var(T.int32)
+                r_n = T.alloc_var(T.int32)
 
             start = T.max(Starts[row], 0)
             end = T.min(Ends[row], seq_k)
@@ -631,16 +663,39 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                             ctl[0] = tx
                     T.sync_threads()
                     tau = prefix | (T.Cast(T.uint32, ctl[0]) << T.uint32(32 - FIRST_BITS - RADIX_BITS))
-                    for it in T.serial(n_vit):
-                        jb = (base_v + it * threads + tx) * vec
-                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
-                        for v in T.unroll(vec):
-                            key = _ordered_key(xv[v])
-                            append(tx, (jb + v >= start) & (jb + v < end) & (key >= tau), cnt[0], wb, slot)
-                            if (jb + v >= start) & (jb + v < end) & (key >= tau):
-                                if slot[0] < candidates:
-                                    ckey[slot[0]] = key
-                                    cidx[slot[0]] = jb + v
+                    if rank_sort and not warp_append:
+                        # key >= tau is x >= tau as a float (at the bottom, the bin of -inf: every finite x)
+                        tau_f = T.if_then_else(tau <= T.uint32(0x007FFFFF), -T.infinity(T.float32),
+                                               _from_ordered_key(tau))
+                        for it in T.serial(n_vit):
+                            jb = (base_v + it * threads + tx) * vec
+                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
+                            if (jb >= start) & (jb + vec <= end):            # the vector inside the row
+                                for v in T.unroll(vec):
+                                    if xv[v] >= tau_f:
+                                        slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
+                                        if slot[0] < candidates:
+                                            ckey[slot[0]] = _ordered_key(xv[v])
+                                            cidx[slot[0]] = jb + v
+                            else:
+                                for v in T.unroll(vec):
+                                    key = _ordered_key(xv[v])
+                                    if (jb + v >= start) & (jb + v < end) & (key >= tau):
+                                        slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
+                                        if slot[0] < candidates:
+                                            ckey[slot[0]] = key
+                                            cidx[slot[0]] = jb + v
+                    else:
+                        for it in T.serial(n_vit):
+                            jb = (base_v + it * threads + tx) * vec
+                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
+                            for v in T.unroll(vec):
+                                key = _ordered_key(xv[v])
+                                append(tx, (jb + v >= start) & (jb + v < end) & (key >= tau), cnt[0], wb, slot)
+                                if (jb + v >= start) & (jb + v < end) & (key >= tau):
+                                    if slot[0] < candidates:
+                                        ckey[slot[0]] = key
+                                        cidx[slot[0]] = jb + v
                     T.sync_threads()
                     ncand = cnt[0]
                     from_row = T.if_then_else((ncand < topk) | (ncand > candidates), 1, 0)  # the bound missed: the row
@@ -781,8 +836,92 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                         skey[j - start] = _ordered_key(x) ^ FLIP
                         sidx[j - start] = j
 
+            do_sort = 1
+            if rank_sort:
+                # winner p (skey[p] = key ^ FLIP, ascending = score desc) of thread p % threads: its bucket is
+                # its score's place between the largest and smallest finite winner (+inf and NaNs above them
+                # first, -inf last), so buckets are in the winners' order and the prefix sums of their counts
+                # give each bucket's first place
+                T.sync_threads()
+                xmx = -T.infinity(T.float32)
+                xmn = T.infinity(T.float32)
+                for e in T.unroll(rank_e):
+                    if e * threads + tx < sort_n:
+                        x = _from_ordered_key(skey[e * threads + tx] ^ FLIP)
+                        if (sidx[e * threads + tx] != _INT_MAX) & (x > -T.infinity(T.float32)) & (
+                                x < T.infinity(T.float32)):
+                            xmx = T.max(xmx, x)
+                            xmn = T.min(xmn, x)
+                for o in T.unroll(5):
+                    xmx = T.max(xmx, T.shfl_xor(xmx, 1 << o))
+                    xmn = T.min(xmn, T.shfl_xor(xmn, 1 << o))
+                if tx % 32 == 0:
+                    wmx[tx // 32] = xmx
+                    wmn[tx // 32] = xmn
+                for it in T.serial(T.ceildiv(sort_n + 1, threads)):
+                    if it * threads + tx <= sort_n:
+                        hist[it * threads + tx] = 0
+                if tx == 0:
+                    big[0] = 0
+                T.sync_threads()
+                for w in T.serial(threads // 32):
+                    xmx = T.max(xmx, wmx[w])
+                    xmn = T.min(xmn, wmn[w])
+                bscale = T.if_then_else(xmx > xmn, T.Cast(T.float32, sort_n - 1) / (xmx - xmn), 0.0)
+                for e in T.unroll(rank_e):
+                    bkt[e] = -1
+                    if e * threads + tx < sort_n:
+                        if sidx[e * threads + tx] != _INT_MAX:
+                            ak = skey[e * threads + tx] ^ FLIP
+                            x = _from_ordered_key(ak)
+                            bkt[e] = T.if_then_else(
+                                (x > -T.infinity(T.float32)) & (x < T.infinity(T.float32)),
+                                T.Cast(T.int32, T.min(T.max((xmx - x) * bscale, 0.0), T.Cast(T.float32, sort_n - 1))),
+                                T.if_then_else(ak > T.uint32(0x80000000), 0, sort_n - 1))
+                            T.atomic_add(hist[bkt[e]], 1)
+                T.sync_threads()
+                sv[0] = 0
+                for i in T.serial(rank_b):
+                    if tx * rank_b + i < sort_n:
+                        sv[0] = sv[0] + hist[tx * rank_b + i]
+                suffix_scan(tx, sv, tsum, wsum, threads)
+                val = tsum[0] - tsum[tx]                            # winners in the buckets before this thread's
+                for i in T.serial(rank_b):
+                    if tx * rank_b + i < sort_n:
+                        r_n = hist[tx * rank_b + i]
+                        hist[tx * rank_b + i] = val
+                        val = val + r_n
+                        if r_n > (rank_max or RANK_MAX):
+                            big[0] = 1
+                T.sync_threads()
+                do_sort = big[0]
+                if do_sort == 0:
+                    # each bucket's winners side by side in the candidates' buffers; hist[b] becomes the end of
+                    # bucket b, so bucket b is [hist[b - 1], hist[b])
+                    for e in T.unroll(rank_e):
+                        if bkt[e] >= 0:
+                            slot[0] = T.atomic_add(hist[bkt[e]], 1, return_prev=True)
+                            ckey[slot[0]] = skey[e * threads + tx]
+                            cidx[slot[0]] = sidx[e * threads + tx]
+                    T.sync_threads()
+                    for e in T.unroll(rank_e):
+                        if bkt[e] >= 0:
+                            ak = skey[e * threads + tx]
+                            ai = sidx[e * threads + tx]
+                            r_lo = T.if_then_else(bkt[e] > 0, hist[T.max(bkt[e] - 1, 0)], 0)
+                            r_n = r_lo
+                            for j in T.serial(hist[bkt[e]] - r_lo):
+                                if (ckey[r_lo + j] < ak) | ((ckey[r_lo + j] == ak) & (cidx[r_lo + j] < ai)):
+                                    r_n = r_n + 1
+                            if r_n < topk:
+                                Out[row, r_n] = ai
+                    for it in T.serial(T.ceildiv(topk, threads)):
+                        if (it * threads + tx >= tsum[0]) & (it * threads + tx < topk):
+                            Out[row, it * threads + tx] = -1
             # bitonic sort ascending by (skey, sidx)
-            if sort_elems:
+            if do_sort == 0:
+                T.evaluate(0)
+            elif sort_elems:
                 # element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread
                 # (d < E), the same warp (d < 32 E: a shuffle) or another warp (shared memory). Each (key, id)
                 # is one uint64 (key in the high word): one 64-bit compare and one shuffle of it per exchange
@@ -950,6 +1089,7 @@ SELECT_TUNABLES = {
     "warp_append": False,  # one shared atomic per key that takes a slot (True: one per warp, ballot and popc)
     "sample": 8,          # rows of >= SAMPLE_MIN_ROW * candidates keys: the first round on every 8th vector
     "warp_scan": True,    # the histograms' suffix sums through warp shuffles
+    "rank_sort": True,    # the winners ordered by a counting sort on their scores (bitonic where it is skewed)
     "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
 }
 
