@@ -156,13 +156,13 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
 PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                    "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "tile"}
 PREVIOUS_SELECT = {"candidates": 4096, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
-                   "sample": 8, "warp_scan": True, "min_blocks": 3}
+                   "sample": 8, "warp_scan": True, "rank_sort": False, "sample_group": 1, "min_blocks": 3}
 # ... and before the fifth. The select's register sort is today's (one uint64 per pair): the one it had then,
 # key and id apart, was dropped after that session.
 FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                         "full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile"}
 FIFTH_SESSION_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
-                        "sample": 0, "warp_scan": False, "min_blocks": 1}
+                        "sample": 0, "warp_scan": False, "rank_sort": False, "sample_group": 1, "min_blocks": 1}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
@@ -268,6 +268,8 @@ SELECT_SWEEP = {
     "hist_aggregate": {"hist_aggregate": True, "sample": 0, "candidates": 2048},
     "no_warp_scan": {"warp_scan": False},
     "bitonic": {"rank_sort": False},                            # the bitonic sort on every row
+    "ungrouped": {"sample_group": 1},                           # every 8th vector alone
+    "c4096": {"candidates": 4096},
     "s16": {"sample": 16},
     "t256": {"threads": 256},
     "c3072": {"candidates": 3072},

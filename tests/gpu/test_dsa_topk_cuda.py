@@ -374,4 +374,11 @@ def test_rank_sort_orders_as_the_bitonic_sort(rank_max):
     tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": True, "rank_max": rank_max}))(
         scores, starts, ends, got)
     _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
-    assert torch.equal(got, want)
+    # which of the keys tied at the k-th score make the cut is the gather's (atomic) order in both; given the
+    # set, the order is one: the same scores in the same places everywhere, the same ids where no tie is cut
+    at = lambda ids: torch.gather(scores, 1, ids.long().clamp(min=0)).masked_fill(ids < 0, float("nan"))  # noqa: E731
+    assert torch.equal(at(got).nan_to_num(7.0), at(want).nan_to_num(7.0))
+    srt = torch.sort(scores, 1, descending=True).values
+    uncut = srt[:, topk - 1] > srt[:, topk]
+    assert int(uncut.sum()) >= R // 2
+    assert torch.equal(got[uncut], want[uncut])

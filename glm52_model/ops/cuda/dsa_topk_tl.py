@@ -8,7 +8,8 @@ Two kernels, run per chunk of query rows:
    the block's range are never computed.
 2. `build_topk_select`: one CTA per row; an exact 4-pass 8-bit radix select over the fp32 scores of
    the row's key range finds the k-th largest value, a gather pass collects the winners into shared
-   memory, and a bitonic sort orders them by (score desc, key id asc). Rows with fewer valid keys
+   memory, and a bitonic sort (with ``rank_sort``, the op's: a counting sort on their scores) orders them by
+   (score desc, key id asc). Rows with fewer valid keys
    than top-k are padded with -1. With ``candidates`` (``SELECT_TUNABLES``): a 12-bit first round,
    then one pass that keeps the winners and copies the threshold bin to shared memory, where the
    other rounds run: two reads of the row instead of five. With ``sample`` as well (the op's), a long
@@ -343,7 +344,7 @@ def _from_ordered_key(key):
 def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
                       warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
                       warp_scan: bool = False, rank_sort: bool = False, rank_max: int = 0,
-                      min_blocks: int = 1):
+                      sample_group: int = 1, min_blocks: int = 1):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
     ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
@@ -375,6 +376,9 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
       exact k-th key: one atomic per sampled key instead of one per key, and no winners' pass. A row where
       tau missed (fewer than topk keys above it, or more than ``candidates``) runs the four rounds on the row.
       The result is exact either way.
+    - ``sample_group``: the sample's vectors in groups of this many adjacent ones (one group in every ``sample``
+      groups): 4 vectors of 4 scores are one 64-byte read, where one vector in 8 alone costs the DRAM half the
+      row's bytes for a sixteenth of them.
     - ``warp_scan``: the histograms' suffix sums by warp shuffles and one pass over the warps' totals (two
       barriers) instead of Hillis-Steele through shared memory (two barriers a step: 16 for 256 bins).
     - ``rank_sort`` (with ``candidates >= next_pow2(topk)``, else the bitonic sort): the winners' order by a counting sort instead of the bitonic
@@ -471,6 +475,10 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             sv[0] = hist[tx]
         suffix_scan(tx, sv, hist, wsum, RADIX)
 
+    def sampled_vector(i):
+        # the row's i-th sampled vector, counted from its first
+        return (i // sample_group) * (sample * sample_group) + i % sample_group
+
     @T.macro
     def load_trip(Logits, row, jv, end, xv, every_lane):
         # the `vec` scores of vector jv of the row; `every_lane`: lanes past the row's end load zeros (for a
@@ -557,7 +565,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             n_iter = T.ceildiv(T.max(n_valid, 0), threads)
             base_v = start // vec                                        # the row's first vector
             n_vit = T.ceildiv(T.max(end - base_v * vec, 0), threads * vec)
-            n_sv = T.ceildiv(T.ceildiv(T.max(end - base_v * vec, 0), vec), max(sample, 1))   # sampled vectors
+            # sampled vectors: groups of `sample_group` adjacent ones, one group in every `sample` groups
+            n_sv = T.ceildiv(T.ceildiv(T.max(end - base_v * vec, 0), vec), max(sample, 1) * sample_group) * sample_group
 
             for it in T.serial(T.ceildiv(sort_n, threads)):
                 p = it * threads + tx
@@ -588,8 +597,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 if sampled == 1:
                     for it in T.serial(T.ceildiv(n_sv, threads)):
                         if it * threads + tx < n_sv:
-                            jb = (base_v + (it * threads + tx) * sample) * vec
-                            load_trip(Logits, row, base_v + (it * threads + tx) * sample, end, xv, False)
+                            jb = (base_v + sampled_vector(it * threads + tx)) * vec
+                            load_trip(Logits, row, base_v + sampled_vector(it * threads + tx), end, xv, False)
                             for v in T.unroll(vec):
                                 if (jb + v >= start) & (jb + v < end):
                                     key = _ordered_key(xv[v])
@@ -649,8 +658,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     T.sync_threads()
                     for it in T.serial(T.ceildiv(n_sv, threads)):
                         if it * threads + tx < n_sv:
-                            jb = (base_v + (it * threads + tx) * sample) * vec
-                            load_trip(Logits, row, base_v + (it * threads + tx) * sample, end, xv, False)
+                            jb = (base_v + sampled_vector(it * threads + tx)) * vec
+                            load_trip(Logits, row, base_v + sampled_vector(it * threads + tx), end, xv, False)
                             for v in T.unroll(vec):
                                 if (jb + v >= start) & (jb + v < end):
                                     key = _ordered_key(xv[v])
@@ -1079,10 +1088,17 @@ def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str)
 # popc and shuffle for every key; the register sort with key and id apart, 14.35, since dropped). With all of them, the FP8 op: 33.8 ms at 64K (logits 21.7, select 11.8)
 # against 41.1 with the kernels before the session, 127.4 at 128K (logits 90.7, select 35.1) against 151.4, the
 # same ID sets (bench_kernels_topk_run13_h200.json).
+# Then (sixth session, 64K, same logits, ms): 11.49 at the session's start; 7.94 with the counting sort of the
+# winners (10.60 with the bitonic one and everything else as now), 6.96 with the sample read in 64-byte groups
+# and 3072 candidates (7.48 ungrouped, 7.03 with 4096) (benchmarks/results/bench_kernels_sweep_run16_h200.json,
+# bench_kernels_sweep_run18_h200.json). The FP8 op: 26.07 ms at 64K (logits 17.77, select 7.20) against 33.67 with
+# the session's starting kernels, 97.48 at 128K (76.13, 24.35) against 126.73 (bench_kernels_topk_run19_h200.json).
+# Nsight Compute (32K, 4096 candidates, ungrouped; ncu_select_32k_h200.txt): issue slots 68.5% busy, L1/shared
+# 77%, ALU 54%, no spills (the bitonic sort's: ALU 75%, 9.7M spill requests; ncu_topk_32k_h200.txt).
 # Read per call like LOGITS_TUNABLES (a benchmark patches the whole dict to time another select beside it);
 # keys it leaves out take build_topk_select's defaults, the select before any of these choices.
 SELECT_TUNABLES = {
-    "candidates": 4096,   # shared-memory candidates: the threshold bin's, or the sampled bound's (~1.3 topk)
+    "candidates": 3072,   # shared-memory candidates: the threshold bin's, or the sampled bound's (~1.3 topk)
     "threads": 512,       # per row's CTA (a power of two dividing 4096 for the two-read select)
     "vec": 4,             # scores per thread per trip over the row (one float4 load); must divide BLOCK_N
     "sort_elems": 8,      # (key, id) pairs per thread in the register bitonic sort; 0 = all in shared memory
@@ -1090,6 +1106,7 @@ SELECT_TUNABLES = {
     "sample": 8,          # rows of >= SAMPLE_MIN_ROW * candidates keys: the first round on every 8th vector
     "warp_scan": True,    # the histograms' suffix sums through warp shuffles
     "rank_sort": True,    # the winners ordered by a counting sort on their scores (bitonic where it is skewed)
+    "sample_group": 4,    # the sample in 64-byte groups of 4 vectors
     "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
 }
 
