@@ -180,9 +180,8 @@ LOGITS_SWEEP = {
     "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
     "checked": {"unchecked": False},                  # the safe-memory pass's bounds tests
-    "tile_epilogue": {"epilogue": "tile"},            # TileLang's ReLU, weights and reduce_sum (= session_start)
     "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
-    "session_start": PREVIOUS_LOGITS,                 # the op's tiles before issue 13's sixth session
+    "session_start": PREVIOUS_LOGITS,                 # before issue 13's sixth session: TileLang's epilogue
     "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
 }
 
@@ -267,12 +266,11 @@ SELECT_SWEEP = {
     "vec1": {"vec": 1},
     "hist_aggregate": {"hist_aggregate": True, "sample": 0, "candidates": 2048},
     "no_warp_scan": {"warp_scan": False},
-    "bitonic": {"rank_sort": False},                            # the bitonic sort on every row
+    "bitonic": {"rank_sort": False},                  # the bitonic sort on every row (and no float bound)
     "ungrouped": {"sample_group": 1},                           # every 8th vector alone
     "c4096": {"candidates": 4096},
     "s16": {"sample": 16},
     "t256": {"threads": 256},
-    "c3072": {"candidates": 3072},
     "regs_free": {"min_blocks": 1},
 }
 

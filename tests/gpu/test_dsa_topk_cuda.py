@@ -343,8 +343,8 @@ def test_sampled_select_is_exact_on_long_rows(tunables):
 
 @pytest.mark.parametrize("rank_max", [0, 1 << 30], ids=["op", "never_bitonic"])
 def test_rank_sort_orders_as_the_bitonic_sort(rank_max):
-    """The counting sort of the winners gives the bitonic sort's output, element for element (score desc, then
-    id asc: one right answer): on long rows (the sampled round) and short ones, Gaussian, spanning zero, with
+    """The counting sort of the winners gives the bitonic sort's output: the same scores in the same places, and
+    element for element the same ids (score desc, then id asc) where no tie is cut at the k-th score: on long rows (the sampled round) and short ones, Gaussian, spanning zero, with
     pairs of equal scores, with one outlier, all tied, half -inf and shorter than top-k. With ``rank_max`` huge
     no row falls back to the bitonic sort, whatever its buckets hold, so every row is ranked by the counting
     sort itself."""

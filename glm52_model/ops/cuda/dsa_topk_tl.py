@@ -1089,7 +1089,7 @@ def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str)
 # against 41.1 with the kernels before the session, 127.4 at 128K (logits 90.7, select 35.1) against 151.4, the
 # same ID sets (bench_kernels_topk_run13_h200.json).
 # Then (sixth session, 64K, same logits, ms): 11.49 at the session's start; 7.94 with the counting sort of the
-# winners (10.60 with the bitonic one and everything else as now), 6.96 with the sample read in 64-byte groups
+# winners and the float bound (10.60 without both, all else as now), 6.96 with the sample read in 64-byte groups
 # and 3072 candidates (7.48 ungrouped, 7.03 with 4096) (benchmarks/results/bench_kernels_sweep_run16_h200.json,
 # bench_kernels_sweep_run18_h200.json). The FP8 op: 26.07 ms at 64K (logits 17.77, select 7.20) against 33.67 with
 # the session's starting kernels, 97.48 at 128K (76.13, 24.35) against 126.73 (bench_kernels_topk_run19_h200.json).
