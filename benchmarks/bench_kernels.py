@@ -17,6 +17,7 @@ width 2048, balanced groups), the SwiGLU's three GEMMs forward and backward thro
 operands quantised beforehand, and a torch.profiler table of the FP8 forward's and backward's kernels. Empty lists (``--topk-seq ""``) skip a section.
 """
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -47,6 +48,25 @@ def cuda_time_ms(fn, warmup=2, reps=10):
     return statistics.median(times)
 
 
+def interleaved_ms(fns, warmup=2, reps=10):
+    """Each of ``fns`` (name -> callable) timed once a round, in turn, for ``reps`` rounds: a drift of the clocks
+    over the run reaches every one alike. The median per name."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times[name].append(a.elapsed_time(b))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def kernel_profile(fn, top=12):
     """The CUDA kernels one call of ``fn`` runs, by device time: [{name, ms, calls}] (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -75,7 +95,7 @@ def topk_inputs(S, H=32, D=128, seed=0):
     return q, k, w, starts, ends
 
 
-def bench_topk(S, topk, reps, reference=True, parts=True):
+def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
     """The op as the model calls it (chunked logits, then the select), bf16 and FP8 inputs; with ``parts``
     also its kernels alone, the four-round select beside the op's, and (``reference``) the PyTorch kernel."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
@@ -84,7 +104,7 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     q8, k8, w8, ks = quantize_indexer(q, k, w)
     row = {"S": S, "heads": 32, "dim": 128, "topk": topk, "logits_tunables": tl.LOGITS_TUNABLES,
            "select_tunables": tl.SELECT_TUNABLES,
-           "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
+           "launch_tunables": tl.LAUNCH_TUNABLES, "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
     row["tilelang_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale),
                                       reps=reps)
     # FP8 logits (e4m3 q and k, one scale per head row and per key): same op, same select kernel
@@ -92,15 +112,48 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
                                  reps=reps)
     row["fp8_speedup"] = row["tilelang_ms"] / row["fp8_ms"]
     ids = tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale)
-    overlap = id_overlap(tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), ids)
+    ids8 = tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
+    overlap = id_overlap(ids8, ids)
     row["fp8_id_overlap_mean"] = float(overlap.mean())
     row["fp8_id_overlap_min"] = float(overlap.min())
     # where the FP8 op's time goes: its kernels (logits, select, the padding copies) in one call
     row["fp8_kernels"] = kernel_profile(
         lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), top=6)
-    # the same op with the kernels it ran before this session's changes, side by side
+    # the FP8 op's variants (OP_SWEEP) and the op as it ran at the session's start, round-robin (interleaved_ms),
+    # with the op's default among them
+    if variants:
+        def variant(name):
+            over = OP_SWEEP.get(name, {})
+            patches = (mock.patch.object(tl, "LAUNCH_TUNABLES", tl.LAUNCH_TUNABLES | over.get("launch", {})),
+                       mock.patch.object(tl, "LOGITS_BUDGET_BYTES", over.get("budget") or tl.LOGITS_BUDGET_BYTES),
+                       mock.patch.object(tl, "LOGITS_TUNABLES", tl.LOGITS_TUNABLES | over.get("logits", {})),
+                       mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | over.get("select", {})))
+            if name == "session_start":
+                patches = (mock.patch.object(tl, "LOGITS_TUNABLES", PREVIOUS_LOGITS),
+                           mock.patch.object(tl, "SELECT_TUNABLES", PREVIOUS_SELECT),
+                           mock.patch.object(tl, "LAUNCH_TUNABLES", PREVIOUS_LAUNCH))
+
+            def call():
+                with contextlib.ExitStack() as stack:
+                    for patch in patches:
+                        stack.enter_context(patch)
+                    return tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
+            return call
+        calls = {name: variant(name) for name in ["default"] + [n for n in variants if n != "default"]}
+        row["fp8_variants_ms"] = interleaved_ms(calls, reps=reps)
+        row["fp8_variants_peak_gib"], row["fp8_variants_same_ids_rows"] = {}, {}
+        for name, call in calls.items():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            same = call()
+            row["fp8_variants_peak_gib"][name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            row["fp8_variants_same_ids_rows"][name] = float(
+                (torch.sort(same, 1).values == torch.sort(ids8, 1).values).all(1).float().mean())
+    # the same op as it ran before this session's changes, side by side
     with mock.patch.object(tl, "LOGITS_TUNABLES", PREVIOUS_LOGITS), \
-            mock.patch.object(tl, "SELECT_TUNABLES", PREVIOUS_SELECT):
+            mock.patch.object(tl, "SELECT_TUNABLES", PREVIOUS_SELECT), \
+            mock.patch.object(tl, "LAUNCH_TUNABLES", PREVIOUS_LAUNCH):
         row["fp8_previous_kernels_ms"] = cuda_time_ms(
             lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), reps=reps)
         row["previous_kernels_ms"] = cuda_time_ms(
@@ -151,12 +204,17 @@ def bench_topk(S, topk, reps, reference=True, parts=True):
     return row, ids
 
 
-# The top-k op's kernels before issue 13's sixth H200 session (2026-12-02), timed beside today's (pinned, so
-# that the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES change): TileLang's own logits epilogue.
+# The top-k op as it ran before issue 13's seventh H200 session (2026-12-02), timed beside today's (pinned, so that
+# the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): its chunks in order on
+# one stream, one logits buffer.
 PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "tile"}
-PREVIOUS_SELECT = {"candidates": 4096, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
-                   "sample": 8, "warp_scan": True, "rank_sort": False, "sample_group": 1, "min_blocks": 3}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma"}
+PREVIOUS_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
+                   "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "min_blocks": 3}
+PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
+# ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
+SIXTH_SESSION_LOGITS = PREVIOUS_LOGITS | {"epilogue": "tile"}
+SIXTH_SESSION_SELECT = PREVIOUS_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
 # ... and before the fifth. The select's register sort is today's (one uint64 per pair): the one it had then,
 # key and id apart, was dropped after that session.
 FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
@@ -176,13 +234,30 @@ LOGITS_SWEEP = {
     "q8_n64_t256_s1": {"block_Q": 8, "block_N": 64, "threads": 256, "num_stages": 1, "warp_specialized": False},
     "q2_n64_t128_s1": {"block_Q": 2, "block_N": 64, "threads": 128, "num_stages": 1, "warp_specialized": False},
     "n128_t256_s1": {"block_N": 128, "threads": 256, "num_stages": 1, "warp_specialized": False},
+    "s2": {"num_stages": 2},                          # two key tiles ahead in flight (cp.async), 120 registers
+    "s3": {"num_stages": 3},
+    "ks_global": {"ks_global": True},                 # the keys' scales read from global memory, not shared
     "min5": {"min_blocks": 5},                        # <= 96 registers (the op's min_blocks=4: <= 128)
     "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
     "checked": {"unchecked": False},                  # the safe-memory pass's bounds tests
     "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
-    "session_start": PREVIOUS_LOGITS,                 # before issue 13's sixth session: TileLang's epilogue
+    "sixth_session": SIXTH_SESSION_LOGITS,            # before issue 13's sixth session: TileLang's epilogue
     "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
+}
+
+
+# The FP8 op's variants timed round-robin beside its default (--op-configs): name -> overrides of LAUNCH_TUNABLES
+# ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits"), SELECT_TUNABLES ("select"); or, for
+# "session_start", the kernels and launch of PREVIOUS_* in place of the op's own (today: the select with one vector
+# a thread in flight a trip, ``unroll`` 1).
+OP_SWEEP = {
+    "session_start": {},
+    "overlap": {"launch": {"buffers": 2}},                   # the select beside the next chunk's logits, 2 buffers
+    "overlap_high": {"launch": {"buffers": 2, "select_priority": -1}},   # ... its CTAs dispatched first
+    "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
+    "serial_4g": {"launch": {"buffers": 1}, "budget": 4 << 30},           # one 4 GiB buffer: half the launches
+    "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
 }
 
 
@@ -255,7 +330,7 @@ FOURTH_SESSION_SELECT = FIFTH_SESSION_SELECT | {"vec": 1, "sort_elems": 0, "warp
 # The select's tunables timed side by side (--logits-sweep): name -> overrides of the op's SELECT_TUNABLES
 SELECT_SWEEP = {
     "default": {},
-    "session_start": PREVIOUS_SELECT,
+    "sixth_session": SIXTH_SESSION_SELECT,
     "fifth_session": FIFTH_SESSION_SELECT,
     "fourth_session": FOURTH_SESSION_SELECT,
     "unsampled": {"sample": 0, "candidates": 2048},             # the 12-bit round on every row
@@ -269,6 +344,9 @@ SELECT_SWEEP = {
     "bitonic": {"rank_sort": False},                  # the bitonic sort on every row (and no float bound)
     "ungrouped": {"sample_group": 1},                           # every 8th vector alone
     "c4096": {"candidates": 4096},
+    "u2": {"unroll": 2},                                        # 2 vectors a thread in flight per trip
+    "u4": {"unroll": 4},
+    "u4_min2": {"unroll": 4, "min_blocks": 2},                  # ... with registers for 2 CTAs per SM
     "s16": {"sample": 16},
     "t256": {"threads": 256},
     "regs_free": {"min_blocks": 1},
@@ -503,6 +581,8 @@ def main(argv=None):
                    help="longer top-k rows skip the PyTorch reference kernel and torch.topk (seconds per call)")
     p.add_argument("--mla-reference", action="store_true", help="also time the PyTorch sparse MLA kernels")
     p.add_argument("--topk-op-seq", default="", help="lengths at which to time only the top-k op (bf16, FP8; rows in 'topk')")
+    p.add_argument("--op-configs", default="",
+                   help="OP_SWEEP names the --topk-op-seq rows time beside the FP8 op's default ('all' for every one)")
     p.add_argument("--logits-sweep", default="", help="sequence lengths for the logits kernel's tile sweep")
     p.add_argument("--logits-configs", default="", help="LOGITS_SWEEP names to run (default: all)")
     p.add_argument("--select-configs", default=None,
@@ -536,7 +616,12 @@ def main(argv=None):
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
     for S in ints(args.topk_op_seq):
-        row, _ = bench_topk(S, args.topk, args.reps, parts=False)
+        variants = list(OP_SWEEP) if args.op_configs == "all" else [n for n in args.op_configs.split(",") if n]
+        unknown = sorted(set(variants) - set(OP_SWEEP) - {"default"})
+        if unknown:
+            sys.exit(f"bench_kernels: --op-configs {','.join(unknown)}: not in OP_SWEEP; "
+                     f"choose from {', '.join(OP_SWEEP)} or 'all'")
+        row, _ = bench_topk(S, args.topk, args.reps, parts=False, variants=variants)
         print(json.dumps(row), flush=True)
         result["topk"].append(row)
     for S in ints(args.logits_sweep):

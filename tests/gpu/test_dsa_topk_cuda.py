@@ -122,6 +122,61 @@ def test_topk_all_keys_valid_and_empty_rows():
     _check_rows(ids, scores, topk, starts, ends)
 
 
+def _chunked_op(q, k, w, starts, ends, topk, scale, ks=None, *, buffers, rows_per_chunk, priority=0):
+    """The op with ``rows_per_chunk`` queries a logits buffer and ``buffers`` buffers (LAUNCH_TUNABLES)."""
+    Sp = -(-k.shape[0] // tl_ops.BLOCK_N) * tl_ops.BLOCK_N
+    with mock.patch.object(tl_ops, "LOGITS_BUDGET_BYTES", rows_per_chunk * Sp * 4), \
+            mock.patch.object(tl_ops, "LAUNCH_TUNABLES", {"buffers": buffers, "select_priority": priority}):
+        return tl_ops.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale, ks)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_overlapped_chunks_give_the_one_chunk_ids(fp8):
+    """Chunks whose select runs on the side stream while the next chunk's logits fill the other buffer (and the
+    last chunk padded, its padded starts/ends alive on the side stream) give the ids of one chunk on one
+    stream, element for element, with either stream priority; so does one buffer with many chunks. The
+    caller's stream is free to reuse the op's memory straight after: a fill queued there does not reach `out`."""
+    from glm52_model.ops.dsa_topk import quantize_indexer
+    S, H, D, topk = 2502, 32, 128, 2048
+    q, k, w, starts, ends = _inputs(S, H, D, packed=True, seed=11)
+    ks = None
+    if fp8:
+        q, k, w, ks = quantize_indexer(q, k, w)
+    scale = D ** -0.5
+    one = _chunked_op(q, k, w, starts, ends, topk, scale, ks, buffers=1, rows_per_chunk=4096)
+    if not fp8:                                   # (the FP8 kernels' own accuracy: the FP8 tests above)
+        _check_rows(one, ref_dsa_scores(q, k, w, starts, ends, scale), topk, starts, ends)
+    for buffers, priority in [(1, 0), (2, 0), (2, -1), (3, 0)]:
+        got = _chunked_op(q, k, w, starts, ends, topk, scale, ks, buffers=buffers, rows_per_chunk=388,
+                          priority=priority)                      # 7 chunks, the last of 174 rows padded to 176
+        junk = torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xff)  # reuses freed op memory
+        assert torch.equal(got, one), f"buffers={buffers}, priority={priority}: ids differ from one chunk's"
+        del junk
+
+
+def test_overlapped_chunks_capture_in_a_cuda_graph():
+    """The side stream forks from and joins the caller's stream, so the op records into a CUDA graph; the
+    replay on new inputs gives the eager ids."""
+    S, H, D, topk = 1500, 32, 128, 512
+    q, k, w, starts, ends = _inputs(S, H, D, packed=True, seed=13)
+    q2, k2, w2, _, _ = _inputs(S, H, D, packed=True, seed=14)
+    run = lambda: _chunked_op(q, k, w, starts, ends, topk, 0.1, buffers=2, rows_per_chunk=400)  # noqa: E731
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):                                  # warm-up off the default stream
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for src, dst in ((q2, q), (k2, k), (w2, w)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _chunked_op(q, k, w, starts, ends, topk, 0.1, buffers=1, rows_per_chunk=4096)
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("S,topk,packed", [(700, 64, False), (2500, 2048, True)])
 def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed):
     """The e4m3 logits kernel (same op, ``quantize_indexer`` inputs) against its own math (the dequantised
@@ -240,7 +295,8 @@ def _run_logits(H, dtype, tunables, inputs):
     return logits
 
 
-@pytest.mark.parametrize("over", [{}, {"min_blocks": 5}, {"full_tiles": False}, {"unchecked": False}])
+@pytest.mark.parametrize("over", [{}, {"min_blocks": 5}, {"full_tiles": False}, {"unchecked": False},
+                                  {"ks_global": True}])
 @pytest.mark.parametrize("epilogue", sorted({"tile", tl_ops.LOGITS_TUNABLES["epilogue"]}))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_logits_kernel_register_bound_writes_the_same_logits(dtype, epilogue, over):
@@ -291,6 +347,8 @@ SAMPLED_SELECTS = [                                        # overrides of the op
     {"sample": 16, "candidates": 3072, "threads": 256, "min_blocks": 1},
     {"warp_scan": False, "sort_elems": 0, "min_blocks": 1},               # Hillis-Steele, shared sort
     {"rank_sort": False},                                                 # the bitonic sort on every row
+    {"unroll": 1},                                                        # one vector a thread in flight
+    {"unroll": 4},
 ]
 
 

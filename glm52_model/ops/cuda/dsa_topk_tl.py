@@ -64,12 +64,13 @@ __device__ __forceinline__ void load_w(float* w, const float* __restrict__ W) {
   }
 }
 
-// one (query, key) logit: ks scale, the query's key range outside interior tiles, the store
-template <bool SCALED, bool FULL>
+// one (query, key) logit: ks scale (KG: read from global memory, else from the tile's copy in shared memory),
+// the query's key range outside interior tiles, the store
+template <bool SCALED, bool FULL, bool KG>
 __device__ __forceinline__ void put(float x, int q, int nk, const float* ks, float* __restrict__ out,
                                     long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
                                     int k0) {
-  if (SCALED) x *= ks[nk];
+  if (SCALED) x *= KG ? __ldg(ks + nk) : ks[nk];
   if (!FULL) {
     const int key = k0 + nk;
     if (key < starts[q] || key >= ends[q]) x = neg_inf();
@@ -79,7 +80,7 @@ __device__ __forceinline__ void put(float x, int q, int nk, const float* ks, flo
 
 // "lanes": sum_h w[i, h] * relu(acc) in fp32 FMAs over the thread's 2 * H / 8 terms per (query, row), then a
 // butterfly over the 4 lanes sharing those rows (lane bits 1, then 0), each step halving what a lane keeps.
-template <int QB, int H, bool SCALED, bool FULL>
+template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
 __device__ __forceinline__ void lanes(const float* acc, const float* w, const float* ks, float* __restrict__ out,
                                       long long seq_k, const int* __restrict__ starts,
                                       const int* __restrict__ ends, int k0) {
@@ -126,7 +127,7 @@ __device__ __forceinline__ void lanes(const float* acc, const float* w, const fl
   for (int u = 0; u < (V >= 4 ? V / 4 : 1); ++u) {
     const int idx = V >= 4 ? ((lane >> 1) & 1) * (V / 2) + (lane & 1) * (V / 4) + u : (lane >> 1) & 1;
     if (V >= 4 || (lane & 1) == 0)
-      put<SCALED, FULL>(v[u], idx >> 1, warp * 16 + (lane >> 2) + 8 * (idx & 1), ks, out, seq_k, starts, ends,
+      put<SCALED, FULL, KG>(v[u], idx >> 1, warp * 16 + (lane >> 2) + 8 * (idx & 1), ks, out, seq_k, starts, ends,
                         k0);
   }
 }
@@ -159,7 +160,7 @@ __device__ __forceinline__ void load_wb(unsigned int* b, const float* __restrict
 // "mma": relu(acc) rounded to bf16 in the accumulator's own registers is the A fragment of mma.m16n8k16 (the
 // warp's 16 key rows x 16 GEMM columns a k-step), times the weights' B: each warp's [16 keys, 8 queries]
 // logits in fp32, two independent accumulation chains. The lane 4g + t gets keys g, g + 8 for queries 2t, 2t + 1.
-template <int QB, int H, bool SCALED, bool FULL>
+template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
 __device__ __forceinline__ void mma(const float* acc, const unsigned int* b, const float* ks, float* __restrict__ out,
                                     long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
                                     int k0) {
@@ -185,7 +186,7 @@ __device__ __forceinline__ void mma(const float* acc, const unsigned int* b, con
     for (int c = 0; c < 2; ++c) {
       const int q = 2 * t + c;
       if (q < QB)
-        put<SCALED, FULL>(d[0][2 * r + c] + d[1][2 * r + c], q, warp * 16 + g + 8 * r, ks, out, seq_k, starts,
+        put<SCALED, FULL, KG>(d[0][2 * r + c] + d[1][2 * r + c], q, warp * 16 + g + 8 * r, ks, out, seq_k, starts,
                           ends, k0);
     }
   }
@@ -197,7 +198,7 @@ EPILOGUES = ("tile", "lanes", "mma")
 
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
                          block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1,
-                         full_tiles: bool = False, epilogue: str = "tile"):
+                         full_tiles: bool = False, epilogue: str = "tile", ks_global: bool = False):
     """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
     be a multiple of block_Q, Sk of block_N.
 
@@ -218,6 +219,9 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
       bf16 in one ``cvt`` per two products, then the head sum as a second, tiny GEMM on the tensor cores
       (``mma.m16n8k16`` against the block-diagonal weights, which stay in registers), fp32 accumulate. The bf16
       rounding of the products (2^-9 relative) is far below the e4m3 inputs' own (2^-4), not below bf16's.
+    ``ks_global`` (register epilogues): the keys' FP8 scales read by the epilogue from global memory (L1/L2, two
+    per thread and tile) instead of copied to shared memory with each tile (a cp.async group and a barrier less
+    per tile).
     The logits are stored from the registers that reduced them: a version
     staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
     logits there, so it was dropped.
@@ -234,9 +238,11 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     assert epilogue in EPILOGUES, f"epilogue must be one of {EPILOGUES}, not {epilogue!r}"
     if epilogue == "mma" and (not scaled or heads % 16):
         epilogue = "lanes"
+    ks_global = ks_global and scaled and epilogue != "tile"
     if epilogue != "tile":
         assert threads == 128 and block_N == 64, "the register epilogues take one warpgroup's 64-key tile"
         fn = f"dsa_logits::{epilogue}<{block_Q}, {heads}, {str(scaled).lower()}"
+        kg = ", true>" if ks_global else ">"
 
     @T.prim_func
     def indexer_logits(
@@ -255,7 +261,7 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
                 T.annotate_min_blocks_per_sm(min_blocks)
             q_shared = T.alloc_shared([rows, dim], dtype)
             k_shared = T.alloc_shared([block_N, dim], dtype)
-            if scaled or epilogue != "tile":
+            if (scaled or epilogue != "tile") and not ks_global:
                 ks_shared = T.alloc_shared([block_N], accum)
             s = T.alloc_fragment([block_N, rows], accum)
             if epilogue == "tile":
@@ -297,19 +303,20 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             for t in T.Pipelined(n_tiles, num_stages=num_stages):
                 k0 = lo + t * block_N
                 T.copy(K[k0, 0], k_shared)
-                if scaled:
+                if scaled and not ks_global:
                     T.copy(KS[k0], ks_shared)
                 T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
                 if epilogue != "tile":
                     # s.data, not an access_ptr: TileLang would then infer a replicated layout for s
-                    args = (s.data, T.access_ptr(w, "r"), T.access_ptr(ks_shared, "r"),
+                    args = (s.data, T.access_ptr(w, "r"),
+                            T.access_ptr(KS[k0], "r") if ks_global else T.access_ptr(ks_shared, "r"),
                             T.access_ptr(Logits[q0, k0], "w"), seq_k, T.access_ptr(Starts[q0], "r"),
                             T.access_ptr(Ends[q0], "r"), k0)
                     if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
-                        T.call_extern("handle", fn + ", true>", *args)
+                        T.call_extern("handle", fn + ", true" + kg, *args)
                     else:
-                        T.call_extern("handle", fn + ", false>", *args)
+                        T.call_extern("handle", fn + ", false" + kg, *args)
                 else:
                     for n, i, h in T.Parallel(block_N, block_Q, heads):
                         s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
@@ -344,7 +351,7 @@ def _from_ordered_key(key):
 def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
                       warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
                       warp_scan: bool = False, rank_sort: bool = False, rank_max: int = 0,
-                      sample_group: int = 1, min_blocks: int = 1):
+                      sample_group: int = 1, unroll: int = 1, min_blocks: int = 1):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
     ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
@@ -390,6 +397,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
       the bitonic network: the ranks would be as exact, only slower.
       The sampled pass over the row also compares each score of a vector inside the row with the bound as a
       float, without the key transform or the range tests.
+    - ``unroll`` (the sampled passes and, with ``rank_sort``, the pass against the float bound): vectors each
+      thread loads before it tests any of them, so that many of its reads are in flight at once.
     - ``min_blocks``: CTAs per SM the register allocation must leave room for (``__launch_bounds__``).
     """
     sort_n = max(next_pow2(topk), 32 if sort_elems else 1)
@@ -480,16 +489,38 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
         return (i // sample_group) * (sample * sample_group) + i % sample_group
 
     @T.macro
-    def load_trip(Logits, row, jv, end, xv, every_lane):
-        # the `vec` scores of vector jv of the row; `every_lane`: lanes past the row's end load zeros (for a
-        # trip every lane must run: the warp's ballots and matches), else they load nothing
+    def load_trip(Logits, row, jv, end, xv, every_lane, o=0):
+        # xv[o:o + vec] <- the `vec` scores of vector jv of the row; `every_lane`: lanes past the row's end load
+        # zeros (for a trip every lane must run: the warp's ballots and matches), else they load nothing
         if every_lane:
             for v in T.vectorized(vec):
-                xv[v] = T.if_then_else(jv * vec < end, Logits[row, jv * vec + v], 0)
+                xv[o + v] = T.if_then_else(jv * vec < end, Logits[row, jv * vec + v], 0)
         else:
             if jv * vec < end:
                 for v in T.vectorized(vec):
-                    xv[v] = Logits[row, jv * vec + v]
+                    xv[o + v] = Logits[row, jv * vec + v]
+
+    @T.macro
+    def sampled_histogram(Logits, row, tx, n_sv, base_v, start, end, xv, kv, hist, prefix, pmask, refine):
+        # the histogram of the row's sampled keys: their top 12 bits, or (`refine`) the next 8 bits of those whose
+        # top bits are `prefix` under `pmask`; each thread's `unroll` vectors of a trip loaded before any is binned
+        for it in T.serial(T.ceildiv(n_sv, threads * unroll)):
+            for u in T.unroll(unroll):
+                if (it * unroll + u) * threads + tx < n_sv:
+                    load_trip(Logits, row, base_v + sampled_vector((it * unroll + u) * threads + tx), end, xv, False,
+                              u * vec)
+            for u in T.unroll(unroll):
+                if (it * unroll + u) * threads + tx < n_sv:
+                    jb = (base_v + sampled_vector((it * unroll + u) * threads + tx)) * vec
+                    for v in T.unroll(vec):
+                        if (jb + v >= start) & (jb + v < end):
+                            kv[0] = _ordered_key(xv[u * vec + v])
+                            if refine:
+                                if (kv[0] & pmask) == prefix:
+                                    T.atomic_add(hist[T.Cast(T.int32, (kv[0] >> T.uint32(32 - FIRST_BITS - RADIX_BITS))
+                                                              & T.uint32(RADIX - 1))], 1)
+                            else:
+                                T.atomic_add(hist[T.Cast(T.int32, kv[0] >> T.uint32(32 - FIRST_BITS))], 1)
 
     @T.prim_func
     def topk_select(
@@ -535,8 +566,9 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             val = T.alloc_var(T.int32)
             bin_ = T.alloc_var(T.int32)
             key = T.alloc_var(T.uint32)
+            kv = T.alloc_local([1], T.uint32)                 # a sampled key (sampled_histogram)
             x = T.alloc_var(T.float32)
-            xv = T.alloc_local([vec], T.float32)
+            xv = T.alloc_local([vec * unroll], T.float32)
             slot = T.alloc_local([1], T.int32)
             wb = T.alloc_local([1], T.int32)
             ak = T.alloc_var(T.uint32)
@@ -595,14 +627,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 want = topk
                 T.sync_threads()
                 if sampled == 1:
-                    for it in T.serial(T.ceildiv(n_sv, threads)):
-                        if it * threads + tx < n_sv:
-                            jb = (base_v + sampled_vector(it * threads + tx)) * vec
-                            load_trip(Logits, row, base_v + sampled_vector(it * threads + tx), end, xv, False)
-                            for v in T.unroll(vec):
-                                if (jb + v >= start) & (jb + v < end):
-                                    key = _ordered_key(xv[v])
-                                    T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
+                    sampled_histogram(Logits, row, tx, n_sv, base_v, start, end, xv, kv, hist, prefix, pmask, False)
                 else:
                     for it in T.serial(n_vit):
                         jb = (base_v + it * threads + tx) * vec
@@ -656,16 +681,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                         if p <= RADIX:
                             hist[p] = 0
                     T.sync_threads()
-                    for it in T.serial(T.ceildiv(n_sv, threads)):
-                        if it * threads + tx < n_sv:
-                            jb = (base_v + sampled_vector(it * threads + tx)) * vec
-                            load_trip(Logits, row, base_v + sampled_vector(it * threads + tx), end, xv, False)
-                            for v in T.unroll(vec):
-                                if (jb + v >= start) & (jb + v < end):
-                                    key = _ordered_key(xv[v])
-                                    if (key & pmask) == prefix:
-                                        T.atomic_add(hist[T.Cast(T.int32, (key >> T.uint32(32 - FIRST_BITS - RADIX_BITS))
-                                                                  & T.uint32(RADIX - 1))], 1)
+                    sampled_histogram(Logits, row, tx, n_sv, base_v, start, end, xv, kv, hist, prefix, pmask, True)
                     radix_suffix(tx, hist, sv, wsum)
                     if tx < RADIX:
                         if hist[tx] >= want and hist[tx + 1] < want:
@@ -676,24 +692,27 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                         # key >= tau is x >= tau as a float (at the bottom, the bin of -inf: every finite x)
                         tau_f = T.if_then_else(tau <= T.uint32(0x007FFFFF), -T.infinity(T.float32),
                                                _from_ordered_key(tau))
-                        for it in T.serial(n_vit):
-                            jb = (base_v + it * threads + tx) * vec
-                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
-                            if (jb >= start) & (jb + vec <= end):            # the vector inside the row
-                                for v in T.unroll(vec):
-                                    if xv[v] >= tau_f:
-                                        slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
-                                        if slot[0] < candidates:
-                                            ckey[slot[0]] = _ordered_key(xv[v])
-                                            cidx[slot[0]] = jb + v
-                            else:
-                                for v in T.unroll(vec):
-                                    key = _ordered_key(xv[v])
-                                    if (jb + v >= start) & (jb + v < end) & (key >= tau):
-                                        slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
-                                        if slot[0] < candidates:
-                                            ckey[slot[0]] = key
-                                            cidx[slot[0]] = jb + v
+                        for it in T.serial(T.ceildiv(n_vit, unroll)):
+                            for u in T.unroll(unroll):
+                                load_trip(Logits, row, base_v + (it * unroll + u) * threads + tx, end, xv, False,
+                                          u * vec)
+                            for u in T.unroll(unroll):
+                                jb = (base_v + (it * unroll + u) * threads + tx) * vec
+                                if (jb >= start) & (jb + vec <= end):        # the vector inside the row
+                                    for v in T.unroll(vec):
+                                        if xv[u * vec + v] >= tau_f:
+                                            slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
+                                            if slot[0] < candidates:
+                                                ckey[slot[0]] = _ordered_key(xv[u * vec + v])
+                                                cidx[slot[0]] = jb + v
+                                else:
+                                    for v in T.unroll(vec):
+                                        key = _ordered_key(xv[u * vec + v])
+                                        if (jb + v >= start) & (jb + v < end) & (key >= tau):
+                                            slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
+                                            if slot[0] < candidates:
+                                                ckey[slot[0]] = key
+                                                cidx[slot[0]] = jb + v
                     else:
                         for it in T.serial(n_vit):
                             jb = (base_v + it * threads + tx) * vec
@@ -1028,6 +1047,11 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
                                            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
     if unchecked:
         configs[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
+    if not warp_specialized and tunables.get("num_stages", 2) > 1:
+        # the software pipeline's drain is an unrolled loop whose cp.async wait counts depend on the trip;
+        # TileLang 0.1.15 keeps it a loop (`#pragma unroll`) and then fails to print the non-constant count
+        # ("Downcast from tirx.Sub to ir.IntImm"): unrolled before code generation, each count is a constant
+        configs["tl.UnrollLoop"] = {"explicit_unroll": True}
     return tilelang.compile(build_indexer_logits(heads, dim, _IN_DTYPES[in_dtype], **tunables),
                             target={"kind": "cuda", "arch": target_arch}, pass_configs=configs)
 
@@ -1054,14 +1078,19 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # mma.sync and the 4 stores of each lane holding a result. Nsight Compute on it (S=32K,
 # benchmarks/results/ncu_topk_32k_h200.txt): issue slots 36% busy, shared-memory pipe 62% (the wgmma operands:
 # each CTA reads its 16 KB q tile from shared memory for every key tile), 3.9 warps per scheduler with 0.67
-# eligible: latency and the operands' shared-memory reads, no longer the epilogue's instructions.
+# eligible: latency and the operands' shared-memory reads, no longer the epilogue's instructions. Then (seventh
+# session, FP8, 64K): the keys' scales read from global memory (``ks_global``: two barriers a tile instead of four)
+# 18.80 ms alone against 19.30 (bench_kernels_sweep_run24_h200.json), but in the op, round-robin beside it, slower:
+# 26.28 / 101.95 ms at 64K / 128K against 25.78 / 97.71 (bench_kernels_topk_run27_h200.json), so it stays off; a
+# two- or three-stage cp.async pipeline of the key tiles (``num_stages`` 2 / 3, which TileLang 0.1.15 builds only
+# with the drain unrolled, :func:`compile_indexer_logits`) 20.76 / 20.75 against 19.31 (run21).
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma"}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False}
 
 
 # the logits kernel without the op's store and register options and with TileLang's own epilogue: what the
 # options must not change and what the register epilogues are checked against (the GPU tests)
-PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile"}
+PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile", "ks_global": False}
 
 
 def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str):
@@ -1107,6 +1136,8 @@ SELECT_TUNABLES = {
     "warp_scan": True,    # the histograms' suffix sums through warp shuffles
     "rank_sort": True,    # the winners ordered by a counting sort on their scores (bitonic where it is skewed)
     "sample_group": 4,    # the sample in 64-byte groups of 4 vectors
+    "unroll": 2,          # the sampled passes and the float-bound pass: 2 vectors a thread in flight a trip (64K
+                          # alone: 6.63 ms against 6.96, 4: 6.85; bench_kernels_sweep_run21_h200.json)
     "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
 }
 
@@ -1151,6 +1182,20 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
 # launch has thousands of one-warpgroup CTAs (with 1 GiB, 128K ran 64 chunks of 512 CTAs: an SM-wave tail each)
 LOGITS_BUDGET_BYTES = 2 << 30
 BLOCK_N = 128
+# How the op runs its chunks. ``buffers`` 2: the select of chunk c runs on a side stream while the logits of
+# chunk c + 1 fill the other buffer (the select's CTAs fill the SMs the logits' wave tails leave), at twice the
+# buffer memory when the op has more than one chunk; 1: one buffer, logits then select, in order on the caller's
+# stream. ``select_priority``: the side stream's priority (lower is higher, CUDA's convention; 0 the default).
+# H200, FP8 op, round-robin in one process (bench_kernels_topk_run26/27_h200.json): two 2 GiB buffers 1.4% / 2.6%
+# faster at 64K / 128K (25.90 / 99.25 ms against 26.28 / 101.95) for 2 GiB more, and two 1 GiB ones slower than
+# one 2 GiB (26.97 / 103.33 against 26.41 / 101.53: twice the launches); the layer at 128K already peaks within
+# a few GiB of the H200's memory, so the op keeps one buffer.
+LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0}
+
+
+@functools.cache
+def _side_stream(device_index: int, priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index, priority=priority)
 
 
 def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
@@ -1187,17 +1232,35 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
 
     chunk = max(block_Q, (LOGITS_BUDGET_BYTES // (Skp * 4)) // block_Q * block_Q)
     chunk = min(chunk, round_up(S, block_Q))
-    logits = torch.empty(chunk, Skp, dtype=torch.float32, device=dev)
-    for c0 in range(0, S, chunk):
+    n_buf = max(1, min(int(LAUNCH_TUNABLES["buffers"]), -(-S // chunk)))
+    bufs = [torch.empty(chunk, Skp, dtype=torch.float32, device=dev) for _ in range(n_buf)]
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device(),
+                        int(LAUNCH_TUNABLES["select_priority"])) if n_buf > 1 else None
+    freed = [None] * n_buf          # per buffer: the event after the select that last read it
+    held = []                       # the side stream's inputs, alive until it is joined
+    for c, c0 in enumerate(range(0, S, chunk)):
         c1 = min(S, c0 + chunk)
         n = c1 - c0
         n_pad = round_up(n, block_Q)
+        logits = bufs[c % n_buf][:n_pad]
         qc = pad_dim(q[c0:c1].view(torch.uint8), 0, n_pad).view(q.dtype).view(n_pad * H, D)
         wc = pad_dim(w[c0:c1], 0, n_pad)
         sc = pad_dim(starts[c0:c1], 0, n_pad)
         ec = pad_dim(ends[c0:c1], 0, n_pad)
-        logits_k(qc, k_pad, ks, wc, sc, ec, logits[:n_pad])
-        select_k(logits[:n], sc[:n], ec[:n], out[c0:c1])
+        if freed[c % n_buf] is not None:
+            main.wait_event(freed[c % n_buf])
+        logits_k(qc, k_pad, ks, wc, sc, ec, logits)
+        if side is None:
+            select_k(logits[:n], sc[:n], ec[:n], out[c0:c1])
+            continue
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            select_k(logits[:n], sc[:n], ec[:n], out[c0:c1])
+        freed[c % n_buf] = side.record_event()
+        held.append((sc, ec))
+    if side is not None:
+        main.wait_stream(side)      # before `bufs` and `held` go back to the caller stream's allocator
     return out
 
 
