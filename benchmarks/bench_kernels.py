@@ -128,10 +128,6 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
                        mock.patch.object(tl, "LOGITS_BUDGET_BYTES", over.get("budget") or tl.LOGITS_BUDGET_BYTES),
                        mock.patch.object(tl, "LOGITS_TUNABLES", tl.LOGITS_TUNABLES | over.get("logits", {})),
                        mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | over.get("select", {})))
-            if name == "session_start":
-                patches = (mock.patch.object(tl, "LOGITS_TUNABLES", PREVIOUS_LOGITS),
-                           mock.patch.object(tl, "SELECT_TUNABLES", PREVIOUS_SELECT),
-                           mock.patch.object(tl, "LAUNCH_TUNABLES", PREVIOUS_LAUNCH))
 
             def call():
                 with contextlib.ExitStack() as stack:
@@ -206,11 +202,13 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
 
 # The top-k op as it ran before issue 13's seventh H200 session (2026-12-02), timed beside today's (pinned, so that
 # the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): its chunks in order on
-# one stream, one logits buffer.
+# one stream, one logits buffer. Each pinned dict names every key of today's (a test checks): the sweeps merge
+# them into today's tunables, where a key left out would take today's value.
 PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma"}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False}
 PREVIOUS_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
-                   "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "min_blocks": 3}
+                   "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
+                   "min_blocks": 3}
 PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
 # ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
 SIXTH_SESSION_LOGITS = PREVIOUS_LOGITS | {"epilogue": "tile"}
@@ -218,9 +216,11 @@ SIXTH_SESSION_SELECT = PREVIOUS_SELECT | {"candidates": 4096, "rank_sort": False
 # ... and before the fifth. The select's register sort is today's (one uint64 per pair): the one it had then,
 # key and id apart, was dropped after that session.
 FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                        "full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile"}
+                        "full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile",
+                        "ks_global": False}
 FIFTH_SESSION_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
-                        "sample": 0, "warp_scan": False, "rank_sort": False, "sample_group": 1, "min_blocks": 1}
+                        "sample": 0, "warp_scan": False, "rank_sort": False, "sample_group": 1, "unroll": 1,
+                        "min_blocks": 1}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
@@ -248,11 +248,10 @@ LOGITS_SWEEP = {
 
 
 # The FP8 op's variants timed round-robin beside its default (--op-configs): name -> overrides of LAUNCH_TUNABLES
-# ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits"), SELECT_TUNABLES ("select"); or, for
-# "session_start", the kernels and launch of PREVIOUS_* in place of the op's own (today: the select with one vector
-# a thread in flight a trip, ``unroll`` 1).
+# ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits"), SELECT_TUNABLES ("select");
+# "session_start" pins the whole of PREVIOUS_* (today: the select with ``unroll`` 1).
 OP_SWEEP = {
-    "session_start": {},
+    "session_start": {"launch": PREVIOUS_LAUNCH, "logits": PREVIOUS_LOGITS, "select": PREVIOUS_SELECT},
     "overlap": {"launch": {"buffers": 2}},                   # the select beside the next chunk's logits, 2 buffers
     "overlap_high": {"launch": {"buffers": 2, "select_priority": -1}},   # ... its CTAs dispatched first
     "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
