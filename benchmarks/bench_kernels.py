@@ -200,27 +200,31 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
     return row, ids
 
 
-# The top-k op as it ran before issue 13's seventh H200 session (2026-12-02), timed beside today's (pinned, so that
-# the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): its chunks in order on
-# one stream, one logits buffer. Each pinned dict names every key of today's (a test checks): the sweeps merge
-# them into today's tunables, where a key left out would take today's value.
-PREVIOUS_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False}
-PREVIOUS_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
-                   "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
-                   "min_blocks": 3}
-PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
+# The top-k op as it ran before issue 13's eighth H200 session (2026-12-02), timed beside today's (pinned, so that
+# the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): full-width chunks of
+# equal rows in order on one stream, one logits buffer, the kernels taking rows first to last. Each pinned dict
+# names every key of today's (a test checks): the sweeps merge them into today's tunables, where a key left out
+# would take today's value. The seventh session's own start: its select with one vector a thread in flight.
+SEVENTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
+                          "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma",
+                          "ks_global": False, "reverse": False}
+SEVENTH_SESSION_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
+                          "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
+                          "min_blocks": 3, "reverse": False}
+PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                          # the seventh session left the logits kernel as is
+PREVIOUS_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
+PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0, "plan": "rows"}
 # ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
-SIXTH_SESSION_LOGITS = PREVIOUS_LOGITS | {"epilogue": "tile"}
-SIXTH_SESSION_SELECT = PREVIOUS_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
+SIXTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"epilogue": "tile"}
+SIXTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
 # ... and before the fifth. The select's register sort is today's (one uint64 per pair): the one it had then,
 # key and id apart, was dropped after that session.
 FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                         "full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile",
-                        "ks_global": False}
+                        "ks_global": False, "reverse": False}
 FIFTH_SESSION_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
                         "sample": 0, "warp_scan": False, "rank_sort": False, "sample_group": 1, "unroll": 1,
-                        "min_blocks": 1}
+                        "min_blocks": 1, "reverse": False}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
@@ -237,6 +241,7 @@ LOGITS_SWEEP = {
     "s2": {"num_stages": 2},                          # two key tiles ahead in flight (cp.async), 120 registers
     "s3": {"num_stages": 3},
     "ks_global": {"ks_global": True},                 # the keys' scales read from global memory, not shared
+    "forward": {"reverse": False},                    # query blocks first to last (the shortest causal rows first)
     "min5": {"min_blocks": 5},                        # <= 96 registers (the op's min_blocks=4: <= 128)
     "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
@@ -249,13 +254,17 @@ LOGITS_SWEEP = {
 
 # The FP8 op's variants timed round-robin beside its default (--op-configs): name -> overrides of LAUNCH_TUNABLES
 # ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits"), SELECT_TUNABLES ("select");
-# "session_start" pins the whole of PREVIOUS_* (today: the select with ``unroll`` 1).
+# "session_start" pins the whole of PREVIOUS_* (today: the rows plan, the kernels' rows first to last).
 OP_SWEEP = {
     "session_start": {"launch": PREVIOUS_LAUNCH, "logits": PREVIOUS_LOGITS, "select": PREVIOUS_SELECT},
+    "rows_plan": {"launch": {"plan": "rows"}},               # full-width chunks (no sync), the kernels reversed
+    "area_forward": {"logits": {"reverse": False}, "select": {"reverse": False}},  # area chunks, rows in order
+    "area_1g": {"budget": 1 << 30},                          # area chunks in a 1 GiB buffer
+    "area_4g": {"budget": 4 << 30},                          # ... in a 4 GiB one
     "overlap": {"launch": {"buffers": 2}},                   # the select beside the next chunk's logits, 2 buffers
     "overlap_high": {"launch": {"buffers": 2, "select_priority": -1}},   # ... its CTAs dispatched first
     "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
-    "serial_4g": {"launch": {"buffers": 1}, "budget": 4 << 30},           # one 4 GiB buffer: half the launches
+    "serial_4g": {"launch": {"plan": "rows"}, "budget": 4 << 30},         # one full-width 4 GiB buffer
     "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
 }
 
@@ -343,7 +352,8 @@ SELECT_SWEEP = {
     "bitonic": {"rank_sort": False},                  # the bitonic sort on every row (and no float bound)
     "ungrouped": {"sample_group": 1},                           # every 8th vector alone
     "c4096": {"candidates": 4096},
-    "u2": {"unroll": 2},                                        # 2 vectors a thread in flight per trip
+    "u1": {"unroll": 1},                                        # 1 vector a thread in flight per trip
+    "forward": {"reverse": False},                              # rows first to last (the shortest causal rows first)
     "u4": {"unroll": 4},
     "u4_min2": {"unroll": 4, "min_blocks": 2},                  # ... with registers for 2 CTAs per SM
     "s16": {"sample": 16},
@@ -367,8 +377,9 @@ def _build_one(job):
         return kind, tunables, round(time.time() - t0, 1), f"{type(e).__name__}"
 
 
-def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), select_names=None):
-    """Build every top-k kernel a run may time (the op's, the sweeps', and ``selects``: more select tunables)
+def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), select_names=None, op_names=()):
+    """Build every top-k kernel a run may time (the op's, the sweeps', the FP8 op's ``op_names`` variants (OP_SWEEP),
+    and ``selects``: more select tunables)
     in ``workers`` processes at once: a fresh machine compiles each in ~20 s, one at a time in the timing
     process. Later compiles of the same kernels load from TileLang's disk cache."""
     import multiprocessing
@@ -379,6 +390,10 @@ def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), sele
             if not logits_names or name in logits_names for dt in (torch.bfloat16, torch.float8_e4m3fn)]
     jobs += [("logits", (32, 128, arch, dt), {"block_Q": 4} | PREVIOUS_LOGITS)
              for dt in (torch.bfloat16, torch.float8_e4m3fn)]
+    jobs += [("logits", (32, 128, arch, torch.float8_e4m3fn), base | OP_SWEEP[name]["logits"])
+             for name in op_names if "logits" in OP_SWEEP.get(name, {})]
+    selects = list(selects) + [tl.SELECT_TUNABLES | OP_SWEEP[name]["select"]
+                               for name in op_names if "select" in OP_SWEEP.get(name, {})]
     selects = [tl.SELECT_TUNABLES | over for name, over in SELECT_SWEEP.items()
                if select_names is None or name in select_names] + list(selects)
     selects += [{}, {"candidates": 3072, "threads": 1024}, PREVIOUS_SELECT, tl.SELECT_TUNABLES | {"candidates": 0, "sample": 0}]
@@ -607,20 +622,21 @@ def main(argv=None):
               "tilelang": tilelang.__version__, "python": platform.python_version(),
               "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": [], "logits_sweep": []}
     t0 = time.time()
+    op_names = list(OP_SWEEP) if args.op_configs == "all" else [n for n in args.op_configs.split(",") if n]
+    unknown = sorted(set(op_names) - set(OP_SWEEP) - {"default"})
+    if unknown:
+        sys.exit(f"bench_kernels: --op-configs {','.join(unknown)}: not in OP_SWEEP; "
+                 f"choose from {', '.join(OP_SWEEP)} or 'all'")
     if args.precompile:
         from glm52_model.ops.cuda.dsa_topk_tl import cuda_target
         precompile(args.precompile, args.topk, [n for n in args.logits_configs.split(",") if n],
                    cuda_target()["arch"],
-                   select_names=None if args.select_configs is None else args.select_configs.split(","))
+                   select_names=None if args.select_configs is None else args.select_configs.split(","),
+                   op_names=op_names if args.topk_op_seq else ())
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
     for S in ints(args.topk_op_seq):
-        variants = list(OP_SWEEP) if args.op_configs == "all" else [n for n in args.op_configs.split(",") if n]
-        unknown = sorted(set(variants) - set(OP_SWEEP) - {"default"})
-        if unknown:
-            sys.exit(f"bench_kernels: --op-configs {','.join(unknown)}: not in OP_SWEEP; "
-                     f"choose from {', '.join(OP_SWEEP)} or 'all'")
-        row, _ = bench_topk(S, args.topk, args.reps, parts=False, variants=variants)
+        row, _ = bench_topk(S, args.topk, args.reps, parts=False, variants=op_names)
         print(json.dumps(row), flush=True)
         result["topk"].append(row)
     for S in ints(args.logits_sweep):
