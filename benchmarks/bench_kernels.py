@@ -48,9 +48,9 @@ def cuda_time_ms(fn, warmup=2, reps=10):
     return statistics.median(times)
 
 
-def interleaved_ms(fns, warmup=2, reps=10):
+def interleaved_ms(fns, warmup=2, reps=10, rounds=None):
     """Each of ``fns`` (name -> callable) timed once a round, in turn, for ``reps`` rounds: a drift of the clocks
-    over the run reaches every one alike. The median per name."""
+    over the run reaches every one alike. The median per name; ``rounds`` (a dict) gets every round's times."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -64,6 +64,8 @@ def interleaved_ms(fns, warmup=2, reps=10):
             b.record()
             torch.cuda.synchronize()
             times[name].append(a.elapsed_time(b))
+    if rounds is not None:
+        rounds.update(times)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -136,8 +138,12 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
                     return tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
             return call
         calls = {name: variant(name) for name in ["default"] + [n for n in variants if n != "default"]}
-        row["fp8_variants_ms"] = interleaved_ms(calls, reps=reps)
+        row["fp8_variants_rounds_ms"] = {}
+        row["fp8_variants_ms"] = interleaved_ms(calls, reps=reps, rounds=row["fp8_variants_rounds_ms"])
         row["fp8_variants_peak_gib"], row["fp8_variants_same_ids_rows"] = {}, {}
+        # each variant's kernels in one call (torch.profiler): against its time above, what the GPU spends idle
+        row["fp8_variants_kernels_ms"] = {name: {r["name"][:24]: round(r["ms"], 3) for r in kernel_profile(call, top=2)}
+                                          for name, call in calls.items()}
         for name, call in calls.items():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -210,7 +216,7 @@ SEVENTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_
                           "ks_global": False, "reverse": False}
 SEVENTH_SESSION_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
                           "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
-                          "min_blocks": 3, "reverse": False}
+                          "min_blocks": 3, "reverse": False, "direct_rank": False}
 PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                          # the seventh session left the logits kernel as is
 PREVIOUS_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
 PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0, "plan": "rows"}
@@ -224,7 +230,7 @@ FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_sp
                         "ks_global": False, "reverse": False}
 FIFTH_SESSION_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
                         "sample": 0, "warp_scan": False, "rank_sort": False, "sample_group": 1, "unroll": 1,
-                        "min_blocks": 1, "reverse": False}
+                        "min_blocks": 1, "reverse": False, "direct_rank": False}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
@@ -241,7 +247,7 @@ LOGITS_SWEEP = {
     "s2": {"num_stages": 2},                          # two key tiles ahead in flight (cp.async), 120 registers
     "s3": {"num_stages": 3},
     "ks_global": {"ks_global": True},                 # the keys' scales read from global memory, not shared
-    "forward": {"reverse": False},                    # query blocks first to last (the shortest causal rows first)
+    "reversed": {"reverse": True},                    # query blocks last to first (the longest causal rows first)
     "min5": {"min_blocks": 5},                        # <= 96 registers (the op's min_blocks=4: <= 128)
     "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
@@ -254,17 +260,21 @@ LOGITS_SWEEP = {
 
 # The FP8 op's variants timed round-robin beside its default (--op-configs): name -> overrides of LAUNCH_TUNABLES
 # ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits"), SELECT_TUNABLES ("select");
-# "session_start" pins the whole of PREVIOUS_* (today: the rows plan, the kernels' rows first to last).
+# "session_start" pins the whole of PREVIOUS_* (today: the select's rounds on the sampled candidates).
 OP_SWEEP = {
     "session_start": {"launch": PREVIOUS_LAUNCH, "logits": PREVIOUS_LOGITS, "select": PREVIOUS_SELECT},
-    "rows_plan": {"launch": {"plan": "rows"}},               # full-width chunks (no sync), the kernels reversed
-    "area_forward": {"logits": {"reverse": False}, "select": {"reverse": False}},  # area chunks, rows in order
-    "area_1g": {"budget": 1 << 30},                          # area chunks in a 1 GiB buffer
-    "area_4g": {"budget": 4 << 30},                          # ... in a 4 GiB one
+    "direct_rank": {"select": {"direct_rank": True}},        # sampled rows' candidates ranked at once
+    "direct_4g": {"select": {"direct_rank": True}, "budget": 4 << 30},     # ... in one 4 GiB buffer
+    "direct_overlap": {"select": {"direct_rank": True}, "launch": {"buffers": 2}},   # ... beside the next logits
+    "area": {"launch": {"plan": "area"}},                    # chunks as wide as their rows' ends (one sync)
+    "area_reversed": {"launch": {"plan": "area"}, "logits": {"reverse": True}, "select": {"reverse": True}},
+    "area_1g": {"launch": {"plan": "area"}, "budget": 1 << 30},           # area chunks in a 1 GiB buffer
+    "area_4g": {"launch": {"plan": "area"}, "budget": 4 << 30},           # ... in a 4 GiB one
+    "reversed": {"logits": {"reverse": True}, "select": {"reverse": True}},   # the kernels' rows last to first
     "overlap": {"launch": {"buffers": 2}},                   # the select beside the next chunk's logits, 2 buffers
     "overlap_high": {"launch": {"buffers": 2, "select_priority": -1}},   # ... its CTAs dispatched first
     "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
-    "serial_4g": {"launch": {"plan": "rows"}, "budget": 4 << 30},         # one full-width 4 GiB buffer
+    "serial_4g": {"budget": 4 << 30},                        # one full-width 4 GiB buffer: half the launches
     "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
 }
 
@@ -353,7 +363,8 @@ SELECT_SWEEP = {
     "ungrouped": {"sample_group": 1},                           # every 8th vector alone
     "c4096": {"candidates": 4096},
     "u1": {"unroll": 1},                                        # 1 vector a thread in flight per trip
-    "forward": {"reverse": False},                              # rows first to last (the shortest causal rows first)
+    "reversed": {"reverse": True},                              # rows last to first (the longest causal rows first)
+    "direct_rank": {"direct_rank": True},                       # sampled rows' candidates ranked at once
     "u4": {"unroll": 4},
     "u4_min2": {"unroll": 4, "min_blocks": 2},                  # ... with registers for 2 CTAs per SM
     "s16": {"sample": 16},

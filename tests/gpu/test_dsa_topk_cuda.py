@@ -379,6 +379,7 @@ SAMPLED_SELECTS = [                                        # overrides of the op
     {"unroll": 1},                                                        # one vector a thread in flight
     {"unroll": 4},
     {"reverse": not tl_ops.SELECT_TUNABLES["reverse"]},                  # rows in the other order
+    {"direct_rank": not tl_ops.SELECT_TUNABLES["direct_rank"]},          # the candidates ranked at once, or not
 ]
 
 
@@ -429,13 +430,14 @@ def test_sampled_select_is_exact_on_long_rows(tunables):
     assert torch.equal(got[rising], four[rising])
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["winners", "direct"])
 @pytest.mark.parametrize("rank_max", [0, 1 << 30], ids=["op", "never_bitonic"])
-def test_rank_sort_orders_as_the_bitonic_sort(rank_max):
+def test_rank_sort_orders_as_the_bitonic_sort(rank_max, direct):
     """The counting sort of the winners gives the bitonic sort's output: the same scores in the same places, and
     element for element the same ids (score desc, then id asc) where no tie is cut at the k-th score: on long rows (the sampled round) and short ones, Gaussian, spanning zero, with
     pairs of equal scores, with one outlier, all tied, half -inf and shorter than top-k. With ``rank_max`` huge
     no row falls back to the bitonic sort, whatever its buckets hold, so every row is ranked by the counting
-    sort itself."""
+    sort itself. ``direct``: the sampled rows' candidates ranked at once (``direct_rank``), no radix rounds."""
     topk, Sk = 2048, 20480
     g = torch.Generator(device="cuda").manual_seed(11)
     n = 8
@@ -459,7 +461,8 @@ def test_rank_sort_orders_as_the_bitonic_sort(rank_max):
     got = torch.empty_like(want)
     tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": False}))(
         scores, starts, ends, want)
-    tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": True, "rank_max": rank_max}))(
+    tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": True, "rank_max": rank_max,
+                                                                         "direct_rank": direct}))(
         scores, starts, ends, got)
     _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
     # which of the keys tied at the k-th score make the cut is the gather's (atomic) order in both; given the

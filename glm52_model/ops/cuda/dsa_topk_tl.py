@@ -354,7 +354,8 @@ def _from_ordered_key(key):
 def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
                       warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
                       warp_scan: bool = False, rank_sort: bool = False, rank_max: int = 0,
-                      sample_group: int = 1, unroll: int = 1, min_blocks: int = 1, reverse: bool = False):
+                      sample_group: int = 1, unroll: int = 1, min_blocks: int = 1, reverse: bool = False,
+                      direct_rank: bool = False):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
     ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
@@ -405,6 +406,10 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
     - ``min_blocks``: CTAs per SM the register allocation must leave room for (``__launch_bounds__``).
     - ``reverse``: CTA ``b`` takes row ``seq_q - 1 - b``: in a causal chunk the longest rows first, the shortest
       in the launch's tail.
+    - ``direct_rank`` (with ``rank_sort`` and ``sample``): a row whose sampled bound held ranks its candidates (every
+      key >= tau, about 1.3 topk of them) by the counting sort at once, on ``next_pow2(candidates)`` buckets, and
+      writes the first topk: no radix rounds on the candidates and no winners' pass. Ties at the k-th score go to
+      the lower key ids. A row with a bucket over ``RANK_MAX`` runs the rounds on its candidates as before.
     """
     sort_n = max(next_pow2(topk), 32 if sort_elems else 1)
     log_n = sort_n.bit_length() - 1
@@ -416,6 +421,12 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
     rank_sort = rank_sort and candidates >= sort_n           # its buckets live in the candidates' buffers
     rank_e = max(1, -(-sort_n // threads))                        # winners per thread in the counting sort
     rank_b = rank_e                                              # ... and buckets
+    direct_rank = direct_rank and rank_sort and sample > 0
+    cand_b = next_pow2(candidates) if direct_rank else 0          # the candidates' buckets (direct_rank) ...
+    cand_e = max(1, -(-candidates // threads)) if direct_rank else 0   # ... and candidates per thread
+    if direct_rank:
+        assert cand_b <= FIRST_BINS and cand_b % threads == 0, "direct_rank: next_pow2(candidates) <= 4096 buckets"
+    sort_buf = max(sort_n, candidates) if direct_rank else sort_n   # skey / sidx: the ranked candidates' places too
     seq_q = T.dynamic("seq_q")
     seq_k = T.dynamic("seq_k_vecs") * vec                        # a multiple of vec: aligned vector loads
     per = FIRST_BINS // threads                                  # first-round bins per thread
@@ -527,6 +538,114 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                             else:
                                 T.atomic_add(hist[T.Cast(T.int32, kv[0] >> T.uint32(32 - FIRST_BITS))], 1)
 
+    @T.macro
+    def rank_place(tx, row, n_src, src_key, src_idx, raw, dst_key, dst_idx, n_b, e_n, b_n, hist, tsum, wsum, big,
+                   wmx, wmn, bkt, sv, slot, Out):
+        # the counting sort: element p < n_src of thread p % threads (key src_key[p], ordered (raw) or ^ FLIP; id
+        # src_idx[p], _INT_MAX: none) goes to bucket (its score's place between the largest and smallest finite
+        # score, n_b buckets; +inf and NaNs first, -inf last), so buckets are in score order and the prefix sums of
+        # their counts give each bucket's first place; its rank is that place plus the bucket's keys ordering before
+        # it (score desc, id asc), and the ranks < topk are written to Out. big[0] <- 1 (and Out untouched) when a
+        # bucket holds more than rank_max: the caller sorts otherwise. dst_key / dst_idx: n_src scratch places.
+        xmx = T.alloc_var(T.float32)
+        xmn = T.alloc_var(T.float32)
+        bscale = T.alloc_var(T.float32)
+        x = T.alloc_var(T.float32)
+        ak = T.alloc_var(T.uint32)
+        fk = T.alloc_var(T.uint32)
+        ai = T.alloc_var(T.int32)
+        val = T.alloc_var(T.int32)
+        r_lo = T.alloc_var(T.int32)
+        r_n = T.alloc_var(T.int32)
+        T.sync_threads()
+        xmx = -T.infinity(T.float32)
+        xmn = T.infinity(T.float32)
+        for e in T.unroll(e_n):
+            if e * threads + tx < n_src:
+                if raw:
+                    x = _from_ordered_key(src_key[e * threads + tx])
+                else:
+                    x = _from_ordered_key(src_key[e * threads + tx] ^ FLIP)
+                if (src_idx[e * threads + tx] != _INT_MAX) & (x > -T.infinity(T.float32)) & (
+                        x < T.infinity(T.float32)):
+                    xmx = T.max(xmx, x)
+                    xmn = T.min(xmn, x)
+        for o in T.unroll(5):
+            xmx = T.max(xmx, T.shfl_xor(xmx, 1 << o))
+            xmn = T.min(xmn, T.shfl_xor(xmn, 1 << o))
+        if tx % 32 == 0:
+            wmx[tx // 32] = xmx
+            wmn[tx // 32] = xmn
+        for it in T.serial(T.ceildiv(n_b + 1, threads)):
+            if it * threads + tx <= n_b:
+                hist[it * threads + tx] = 0
+        if tx == 0:
+            big[0] = 0
+        T.sync_threads()
+        for w in T.serial(threads // 32):
+            xmx = T.max(xmx, wmx[w])
+            xmn = T.min(xmn, wmn[w])
+        bscale = T.if_then_else(xmx > xmn, T.Cast(T.float32, n_b - 1) / (xmx - xmn), 0.0)
+        for e in T.unroll(e_n):
+            bkt[e] = -1
+            if e * threads + tx < n_src:
+                if src_idx[e * threads + tx] != _INT_MAX:
+                    if raw:
+                        ak = src_key[e * threads + tx]
+                    else:
+                        ak = src_key[e * threads + tx] ^ FLIP
+                    x = _from_ordered_key(ak)
+                    bkt[e] = T.if_then_else(
+                        (x > -T.infinity(T.float32)) & (x < T.infinity(T.float32)),
+                        T.Cast(T.int32, T.min(T.max((xmx - x) * bscale, 0.0), T.Cast(T.float32, n_b - 1))),
+                        T.if_then_else(ak > T.uint32(0x80000000), 0, n_b - 1))
+                    T.atomic_add(hist[bkt[e]], 1)
+        T.sync_threads()
+        sv[0] = 0
+        for i in T.serial(b_n):
+            if tx * b_n + i < n_b:
+                sv[0] = sv[0] + hist[tx * b_n + i]
+        suffix_scan(tx, sv, tsum, wsum, threads)
+        val = tsum[0] - tsum[tx]                            # elements in the buckets before this thread's
+        for i in T.serial(b_n):
+            if tx * b_n + i < n_b:
+                r_n = hist[tx * b_n + i]
+                hist[tx * b_n + i] = val
+                val = val + r_n
+                if r_n > (rank_max or RANK_MAX):
+                    big[0] = 1
+        T.sync_threads()
+        if big[0] == 0:
+            # each bucket's elements side by side in dst; hist[b] becomes the end of bucket b, so bucket b is
+            # [hist[b - 1], hist[b])
+            for e in T.unroll(e_n):
+                if bkt[e] >= 0:
+                    if raw:
+                        fk = src_key[e * threads + tx] ^ FLIP
+                    else:
+                        fk = src_key[e * threads + tx]
+                    slot[0] = T.atomic_add(hist[bkt[e]], 1, return_prev=True)
+                    dst_key[slot[0]] = fk
+                    dst_idx[slot[0]] = src_idx[e * threads + tx]
+            T.sync_threads()
+            for e in T.unroll(e_n):
+                if bkt[e] >= 0:
+                    if raw:
+                        fk = src_key[e * threads + tx] ^ FLIP
+                    else:
+                        fk = src_key[e * threads + tx]
+                    ai = src_idx[e * threads + tx]
+                    r_lo = T.if_then_else(bkt[e] > 0, hist[T.max(bkt[e] - 1, 0)], 0)
+                    r_n = r_lo
+                    for j in T.serial(hist[bkt[e]] - r_lo):
+                        if (dst_key[r_lo + j] < fk) | ((dst_key[r_lo + j] == fk) & (dst_idx[r_lo + j] < ai)):
+                            r_n = r_n + 1
+                    if r_n < topk:
+                        Out[row, r_n] = ai
+            for it in T.serial(T.ceildiv(topk, threads)):
+                if (it * threads + tx >= tsum[0]) & (it * threads + tx < topk):
+                    Out[row, it * threads + tx] = -1
+
     @T.prim_func
     def topk_select(
         Logits: T.Tensor([seq_q, seq_k], T.float32),
@@ -541,8 +660,8 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             tx = T.get_thread_binding()
             hist = T.alloc_shared([hist_n], T.int32)  # becomes suffix sums; hist[RADIX] = 0
             ctl = T.alloc_shared([4], T.int32)  # 0: threshold bin, 1: #greater, 2: #equal
-            skey = T.alloc_shared([sort_n], T.uint32)  # ~ordered key: ascending = score desc
-            sidx = T.alloc_shared([sort_n], T.int32)
+            skey = T.alloc_shared([sort_buf], T.uint32)  # ~ordered key: ascending = score desc
+            sidx = T.alloc_shared([sort_buf], T.int32)
             if candidates:
                 tsum = T.alloc_shared([threads + 1], T.int32)  # per-thread bin totals, then their suffix sums
                 ckey = T.alloc_shared([candidates], T.uint32)  # the threshold bin's keys ...
@@ -582,23 +701,20 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             ai = T.alloc_var(T.int32)
             bi = T.alloc_var(T.int32)
             do_sort = T.alloc_var(T.int32)                    # 0: the counting sort placed every winner
+            placed = T.alloc_var(T.int32)                     # 1: the candidates' counting sort wrote the row
             if rank_sort:
                 big = T.alloc_shared([1], T.int32)            # a bucket holds more than RANK_MAX winners
                 wmx = T.alloc_shared([32], T.float32)         # the warps' largest finite winner ...
                 wmn = T.alloc_shared([32], T.float32)         # ... and smallest
-                bkt = T.alloc_local([rank_e], T.int32)        # this thread's winners' buckets
-                xmx = T.alloc_var(T.float32)
-                xmn = T.alloc_var(T.float32)
-                bscale = T.alloc_var(T.float32)
+                bkt = T.alloc_local([max(rank_e, cand_e)], T.int32)   # this thread's winners' (candidates') buckets
                 tau_f = T.alloc_var(T.float32)
-                r_lo = T.alloc_var(T.int32)
-                r_n = T.alloc_var(T.int32)
 
             start = T.max(Starts[row], 0)
             end = T.min(Ends[row], seq_k)
             prefix = T.uint32(0)
             pmask = T.uint32(0)
             krem = topk
+            placed = 0
             n_valid = end - start
             n_iter = T.ceildiv(T.max(n_valid, 0), threads)
             base_v = start // vec                                        # the row's first vector
@@ -736,6 +852,21 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     prefix = T.uint32(0)
                     pmask = T.uint32(0)
                     n_rounds = 4
+                    if direct_rank:
+                        if from_row == 0:
+                            # every key >= tau is a candidate and there are >= topk of them: their own ranks are the
+                            # row's; ranked in place, or (a bucket over RANK_MAX) the rounds below as before
+                            rank_place(tx, row, ncand, ckey, cidx, True, skey, sidx, cand_b, cand_e, cand_b // threads,
+                                       hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot, Out)
+                            placed = T.if_then_else(big[0] == 0, 1, 0)
+                            if placed == 1:
+                                n_rounds = 0
+                            else:
+                                T.sync_threads()                     # the winners' places, cleared again
+                                for it in T.serial(T.ceildiv(sort_n, threads)):
+                                    if it * threads + tx < sort_n:
+                                        skey[it * threads + tx] = FLIP
+                                        sidx[it * threads + tx] = _INT_MAX
                 else:
                     krem = krem - ctl[3]
                     # one pass: keys above the bin are winners; the bin's keys go to shared memory. Every lane runs
@@ -767,7 +898,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 # the other rounds and the gather: on the candidates in shared memory, or on the row when they
                 # did not fit (one code path: the source is chosen per CTA, not per element). After the 12-bit
                 # round: bits 19-12, 11-4, 7-0 (the last overlaps the one before: its bits already match).
-                n_src = T.if_then_else(from_row == 1, n_valid, ncand)
+                n_src = T.if_then_else(placed == 1, 0, T.if_then_else(from_row == 1, n_valid, ncand))
                 for rnd in T.serial(n_rounds):
                     shift = T.Cast(T.uint32, T.max(T.if_then_else(n_rounds == 4, 24, 32 - FIRST_BITS - RADIX_BITS)
                                                    - rnd * RADIX_BITS, 0))
@@ -872,86 +1003,12 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
 
             do_sort = 1
             if rank_sort:
-                # winner p (skey[p] = key ^ FLIP, ascending = score desc) of thread p % threads: its bucket is
-                # its score's place between the largest and smallest finite winner (+inf and NaNs above them
-                # first, -inf last), so buckets are in the winners' order and the prefix sums of their counts
-                # give each bucket's first place
-                T.sync_threads()
-                xmx = -T.infinity(T.float32)
-                xmn = T.infinity(T.float32)
-                for e in T.unroll(rank_e):
-                    if e * threads + tx < sort_n:
-                        x = _from_ordered_key(skey[e * threads + tx] ^ FLIP)
-                        if (sidx[e * threads + tx] != _INT_MAX) & (x > -T.infinity(T.float32)) & (
-                                x < T.infinity(T.float32)):
-                            xmx = T.max(xmx, x)
-                            xmn = T.min(xmn, x)
-                for o in T.unroll(5):
-                    xmx = T.max(xmx, T.shfl_xor(xmx, 1 << o))
-                    xmn = T.min(xmn, T.shfl_xor(xmn, 1 << o))
-                if tx % 32 == 0:
-                    wmx[tx // 32] = xmx
-                    wmn[tx // 32] = xmn
-                for it in T.serial(T.ceildiv(sort_n + 1, threads)):
-                    if it * threads + tx <= sort_n:
-                        hist[it * threads + tx] = 0
-                if tx == 0:
-                    big[0] = 0
-                T.sync_threads()
-                for w in T.serial(threads // 32):
-                    xmx = T.max(xmx, wmx[w])
-                    xmn = T.min(xmn, wmn[w])
-                bscale = T.if_then_else(xmx > xmn, T.Cast(T.float32, sort_n - 1) / (xmx - xmn), 0.0)
-                for e in T.unroll(rank_e):
-                    bkt[e] = -1
-                    if e * threads + tx < sort_n:
-                        if sidx[e * threads + tx] != _INT_MAX:
-                            ak = skey[e * threads + tx] ^ FLIP
-                            x = _from_ordered_key(ak)
-                            bkt[e] = T.if_then_else(
-                                (x > -T.infinity(T.float32)) & (x < T.infinity(T.float32)),
-                                T.Cast(T.int32, T.min(T.max((xmx - x) * bscale, 0.0), T.Cast(T.float32, sort_n - 1))),
-                                T.if_then_else(ak > T.uint32(0x80000000), 0, sort_n - 1))
-                            T.atomic_add(hist[bkt[e]], 1)
-                T.sync_threads()
-                sv[0] = 0
-                for i in T.serial(rank_b):
-                    if tx * rank_b + i < sort_n:
-                        sv[0] = sv[0] + hist[tx * rank_b + i]
-                suffix_scan(tx, sv, tsum, wsum, threads)
-                val = tsum[0] - tsum[tx]                            # winners in the buckets before this thread's
-                for i in T.serial(rank_b):
-                    if tx * rank_b + i < sort_n:
-                        r_n = hist[tx * rank_b + i]
-                        hist[tx * rank_b + i] = val
-                        val = val + r_n
-                        if r_n > (rank_max or RANK_MAX):
-                            big[0] = 1
-                T.sync_threads()
-                do_sort = big[0]
-                if do_sort == 0:
-                    # each bucket's winners side by side in the candidates' buffers; hist[b] becomes the end of
-                    # bucket b, so bucket b is [hist[b - 1], hist[b])
-                    for e in T.unroll(rank_e):
-                        if bkt[e] >= 0:
-                            slot[0] = T.atomic_add(hist[bkt[e]], 1, return_prev=True)
-                            ckey[slot[0]] = skey[e * threads + tx]
-                            cidx[slot[0]] = sidx[e * threads + tx]
-                    T.sync_threads()
-                    for e in T.unroll(rank_e):
-                        if bkt[e] >= 0:
-                            ak = skey[e * threads + tx]
-                            ai = sidx[e * threads + tx]
-                            r_lo = T.if_then_else(bkt[e] > 0, hist[T.max(bkt[e] - 1, 0)], 0)
-                            r_n = r_lo
-                            for j in T.serial(hist[bkt[e]] - r_lo):
-                                if (ckey[r_lo + j] < ak) | ((ckey[r_lo + j] == ak) & (cidx[r_lo + j] < ai)):
-                                    r_n = r_n + 1
-                            if r_n < topk:
-                                Out[row, r_n] = ai
-                    for it in T.serial(T.ceildiv(topk, threads)):
-                        if (it * threads + tx >= tsum[0]) & (it * threads + tx < topk):
-                            Out[row, it * threads + tx] = -1
+                if placed == 1:
+                    do_sort = 0
+                else:
+                    rank_place(tx, row, sort_n, skey, sidx, False, ckey, cidx, sort_n, rank_e, rank_b, hist, tsum,
+                               wsum, big, wmx, wmn, bkt, sv, slot, Out)
+                    do_sort = big[0]
             # bitonic sort ascending by (skey, sidx)
             if do_sort == 0:
                 T.evaluate(0)
@@ -1092,7 +1149,7 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # with the drain unrolled, :func:`compile_indexer_logits`) 20.76 / 20.75 against 19.31 (run21).
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                    "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False,
-                   "reverse": True}    # the longest rows first: the launcher's area chunks differ in row length
+                   "reverse": False}
 
 
 # the logits kernel without the op's store and register options and with TileLang's own epilogue: what the
@@ -1147,7 +1204,8 @@ SELECT_TUNABLES = {
     "unroll": 2,          # the sampled passes and the float-bound pass: 2 vectors a thread in flight a trip (64K
                           # alone: 6.63 ms against 6.96, 4: 6.85; bench_kernels_sweep_run21_h200.json)
     "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
-    "reverse": True,      # the longest rows first (the launcher's area chunks hold rows of many lengths)
+    "reverse": False,     # rows first to last
+    "direct_rank": False,  # a sampled row's candidates ranked at once (no radix rounds on them)
 }
 
 
@@ -1209,7 +1267,7 @@ PLAN_GROUP = 128  # the area plan's chunks start and end on multiples of this ma
 # ones slower than one 2 GiB (26.97 / 103.33 against 26.41 / 101.53: twice the launches); one 4 GiB buffer
 # (half the launches) 25.56 / 96.90. The layer at 128K already peaks within a few GiB of the H200's memory, so the
 # op keeps one 2 GiB buffer, and the area plan gets the launches of the 4 GiB one from it.
-LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0, "plan": "area"}
+LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0, "plan": "rows"}
 PLANS = ("area", "rows")
 
 
