@@ -87,6 +87,56 @@ def kernel_profile(fn, top=12):
     return sorted(rows.values(), key=lambda r: -r["ms"])[:top]
 
 
+def launch_timeline(fn, top=4):
+    """Where one call of ``fn`` leaves the GPU idle (torch.profiler, CPU and CUDA): ms from the call's start on the
+    host to its first kernel, the span from its first kernel's start to its last one's end, the kernels' busy time
+    in it, and the ``top`` largest gaps between consecutive kernels (ms, and the kernel before each)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("timed_call"):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    call = next(ev for ev in events if ev.name == "timed_call" and ev.device_type == torch.autograd.DeviceType.CPU)
+    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name[:40]) for ev in events
+                     if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name != "timed_call"
+                     and ev.time_range.end > ev.time_range.start)
+    busy, gaps, reach = 0.0, [], kernels[0][0]
+    for (s0, e0, name), prev in zip(kernels, [None] + kernels[:-1]):
+        busy += max(0.0, e0 - max(s0, reach))
+        if prev is not None and s0 > reach:
+            gaps.append((round((s0 - reach) / 1e3, 3), prev[2]))
+        reach = max(reach, e0)
+    return {"to_first_kernel_ms": round((kernels[0][0] - call.time_range.start) / 1e3, 3),
+            "span_ms": round((reach - kernels[0][0]) / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+            "kernels": len(kernels), "gaps_ms": round(sum(g for g, _ in gaps), 3),
+            "largest_gaps": sorted(gaps, reverse=True)[:top]}
+
+
+def back_to_back_ms(fns, calls=4, warmup=1, reps=5):
+    """Like :func:`interleaved_ms`, but each round times ``calls`` calls of a variant queued back to back (no
+    synchronisation between them, as the op runs inside a training step, where the host is ahead of the GPU):
+    the median ms per call."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            times[name].append(a.elapsed_time(b) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def topk_inputs(S, H=32, D=128, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(S, H, D, device="cuda", generator=g).bfloat16()
@@ -144,6 +194,8 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
         # each variant's kernels in one call (torch.profiler): against its time above, what the GPU spends idle
         row["fp8_variants_kernels_ms"] = {name: {r["name"][:24]: round(r["ms"], 3) for r in kernel_profile(call, top=2)}
                                           for name, call in calls.items()}
+        row["fp8_variants_timeline"] = {name: launch_timeline(call) for name, call in calls.items()}
+        row["fp8_variants_back_to_back_ms"] = back_to_back_ms(calls, reps=max(3, reps // 2))
         for name, call in calls.items():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -207,19 +259,19 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
 
 
 # The top-k op as it ran before issue 13's eighth H200 session (2026-12-02), timed beside today's (pinned, so that
-# the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): full-width chunks of
-# equal rows in order on one stream, one logits buffer, the kernels taking rows first to last. Each pinned dict
+# the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): its chunks in order on
+# one stream, one logits buffer, the sampled rows' candidates through radix rounds. Each pinned dict
 # names every key of today's (a test checks): the sweeps merge them into today's tunables, where a key left out
 # would take today's value. The seventh session's own start: its select with one vector a thread in flight.
 SEVENTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                           "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma",
-                          "ks_global": False, "reverse": False}
+                          "ks_global": False}
 SEVENTH_SESSION_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
                           "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
-                          "min_blocks": 3, "reverse": False, "direct_rank": False}
+                          "min_blocks": 3, "direct_rank": False}
 PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                          # the seventh session left the logits kernel as is
 PREVIOUS_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
-PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0, "plan": "rows"}
+PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
 # ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
 SIXTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"epilogue": "tile"}
 SIXTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
@@ -227,10 +279,10 @@ SIXTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 4096, "rank_sort"
 # key and id apart, was dropped after that session.
 FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                         "full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile",
-                        "ks_global": False, "reverse": False}
+                        "ks_global": False}
 FIFTH_SESSION_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
                         "sample": 0, "warp_scan": False, "rank_sort": False, "sample_group": 1, "unroll": 1,
-                        "min_blocks": 1, "reverse": False, "direct_rank": False}
+                        "min_blocks": 1, "direct_rank": False}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
@@ -247,7 +299,6 @@ LOGITS_SWEEP = {
     "s2": {"num_stages": 2},                          # two key tiles ahead in flight (cp.async), 120 registers
     "s3": {"num_stages": 3},
     "ks_global": {"ks_global": True},                 # the keys' scales read from global memory, not shared
-    "reversed": {"reverse": True},                    # query blocks last to first (the longest causal rows first)
     "min5": {"min_blocks": 5},                        # <= 96 registers (the op's min_blocks=4: <= 128)
     "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
@@ -263,14 +314,7 @@ LOGITS_SWEEP = {
 # "session_start" pins the whole of PREVIOUS_* (today: the select's rounds on the sampled candidates).
 OP_SWEEP = {
     "session_start": {"launch": PREVIOUS_LAUNCH, "logits": PREVIOUS_LOGITS, "select": PREVIOUS_SELECT},
-    "direct_rank": {"select": {"direct_rank": True}},        # sampled rows' candidates ranked at once
-    "direct_4g": {"select": {"direct_rank": True}, "budget": 4 << 30},     # ... in one 4 GiB buffer
-    "direct_overlap": {"select": {"direct_rank": True}, "launch": {"buffers": 2}},   # ... beside the next logits
-    "area": {"launch": {"plan": "area"}},                    # chunks as wide as their rows' ends (one sync)
-    "area_reversed": {"launch": {"plan": "area"}, "logits": {"reverse": True}, "select": {"reverse": True}},
-    "area_1g": {"launch": {"plan": "area"}, "budget": 1 << 30},           # area chunks in a 1 GiB buffer
-    "area_4g": {"launch": {"plan": "area"}, "budget": 4 << 30},           # ... in a 4 GiB one
-    "reversed": {"logits": {"reverse": True}, "select": {"reverse": True}},   # the kernels' rows last to first
+    "rounds": {"select": {"direct_rank": False}},             # the sampled rows' candidates through radix rounds
     "overlap": {"launch": {"buffers": 2}},                   # the select beside the next chunk's logits, 2 buffers
     "overlap_high": {"launch": {"buffers": 2, "select_priority": -1}},   # ... its CTAs dispatched first
     "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
@@ -363,8 +407,7 @@ SELECT_SWEEP = {
     "ungrouped": {"sample_group": 1},                           # every 8th vector alone
     "c4096": {"candidates": 4096},
     "u1": {"unroll": 1},                                        # 1 vector a thread in flight per trip
-    "reversed": {"reverse": True},                              # rows last to first (the longest causal rows first)
-    "direct_rank": {"direct_rank": True},                       # sampled rows' candidates ranked at once
+    "rounds": {"direct_rank": False},                           # sampled rows' candidates through radix rounds
     "u4": {"unroll": 4},
     "u4_min2": {"unroll": 4, "min_blocks": 2},                  # ... with registers for 2 CTAs per SM
     "s16": {"sample": 16},

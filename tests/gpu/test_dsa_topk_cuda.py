@@ -122,13 +122,11 @@ def test_topk_all_keys_valid_and_empty_rows():
     _check_rows(ids, scores, topk, starts, ends)
 
 
-def _chunked_op(q, k, w, starts, ends, topk, scale, ks=None, *, buffers, rows_per_chunk, priority=0, plan="rows"):
-    """The op with a logits buffer of ``rows_per_chunk`` full-width rows, ``buffers`` buffers and ``plan``
-    (LAUNCH_TUNABLES; with the rows plan, ``rows_per_chunk`` queries a chunk)."""
+def _chunked_op(q, k, w, starts, ends, topk, scale, ks=None, *, buffers, rows_per_chunk, priority=0):
+    """The op with ``rows_per_chunk`` queries a logits buffer and ``buffers`` buffers (LAUNCH_TUNABLES)."""
     Sp = -(-k.shape[0] // tl_ops.BLOCK_N) * tl_ops.BLOCK_N
     with mock.patch.object(tl_ops, "LOGITS_BUDGET_BYTES", rows_per_chunk * Sp * 4), \
-            mock.patch.object(tl_ops, "LAUNCH_TUNABLES",
-                              {"buffers": buffers, "select_priority": priority, "plan": plan}):
+            mock.patch.object(tl_ops, "LAUNCH_TUNABLES", {"buffers": buffers, "select_priority": priority}):
         return tl_ops.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale, ks)
 
 
@@ -156,40 +154,13 @@ def test_overlapped_chunks_give_the_one_chunk_ids(fp8):
         del junk
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_area_chunks_give_the_one_chunk_ids(fp8):
-    """The area plan (chunks as wide as their rows' ends, cut from the ends read back) gives the ids of one
-    full-width chunk, element for element, on one buffer or two: causal rows, packed documents, and rows whose
-    ends jump about (rows reaching every key after short ones, empty rows, starts past their ends)."""
-    from glm52_model.ops.dsa_topk import quantize_indexer
-    S, H, D, topk = 3000, 32, 128, 2048
-    q, k, w, starts, ends = _inputs(S, H, D, packed=True, seed=17)
-    g = torch.Generator(device="cuda").manual_seed(18)
-    jumpy = torch.randint(0, S + 1, (S,), device="cuda", generator=g, dtype=torch.int32)
-    jumpy[1000:1040] = 0
-    late = starts.clone()
-    late[2000:2010] = S                                          # starts past their ends: empty rows
-    ks = None
-    if fp8:
-        q, k, w, ks = quantize_indexer(q, k, w)
-    for name, (st, en) in {"packed": (starts, ends), "causal": (torch.zeros_like(ends), ends),
-                           "jumpy": (starts.clamp(max=0), jumpy), "late": (late, ends)}.items():
-        one = _chunked_op(q, k, w, st, en, topk, 0.1, ks, buffers=1, rows_per_chunk=S + 8)
-        for buffers in (1, 2):
-            got = _chunked_op(q, k, w, st, en, topk, 0.1, ks, buffers=buffers, rows_per_chunk=300, plan="area")
-            assert torch.equal(got, one), f"{name}, buffers={buffers}: the area chunks' ids differ from one chunk's"
-    assert bool((one[2000:2010] == -1).all())
-
-
 def test_overlapped_chunks_capture_in_a_cuda_graph():
-    """The side stream forks from and joins the caller's stream, so the op records into a CUDA graph (the area
-    plan, which would read the ends back, takes the rows plan while capturing); the replay on new inputs gives
-    the eager ids."""
+    """The side stream forks from and joins the caller's stream, so the op records into a CUDA graph; the
+    replay on new inputs gives the eager ids."""
     S, H, D, topk = 1500, 32, 128, 512
     q, k, w, starts, ends = _inputs(S, H, D, packed=True, seed=13)
     q2, k2, w2, _, _ = _inputs(S, H, D, packed=True, seed=14)
-    run = lambda: _chunked_op(q, k, w, starts, ends, topk, 0.1, buffers=2, rows_per_chunk=400,  # noqa: E731
-                              plan="area")
+    run = lambda: _chunked_op(q, k, w, starts, ends, topk, 0.1, buffers=2, rows_per_chunk=400)  # noqa: E731
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):                                  # warm-up off the default stream
@@ -325,7 +296,7 @@ def _run_logits(H, dtype, tunables, inputs):
 
 
 @pytest.mark.parametrize("over", [{}, {"min_blocks": 5}, {"full_tiles": False}, {"unchecked": False},
-                                  {"ks_global": True}, {"reverse": not tl_ops.LOGITS_TUNABLES["reverse"]}])
+                                  {"ks_global": True}])
 @pytest.mark.parametrize("epilogue", sorted({"tile", tl_ops.LOGITS_TUNABLES["epilogue"]}))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_logits_kernel_register_bound_writes_the_same_logits(dtype, epilogue, over):
@@ -378,7 +349,6 @@ SAMPLED_SELECTS = [                                        # overrides of the op
     {"rank_sort": False},                                                 # the bitonic sort on every row
     {"unroll": 1},                                                        # one vector a thread in flight
     {"unroll": 4},
-    {"reverse": not tl_ops.SELECT_TUNABLES["reverse"]},                  # rows in the other order
     {"direct_rank": not tl_ops.SELECT_TUNABLES["direct_rank"]},          # the candidates ranked at once, or not
 ]
 

@@ -198,8 +198,7 @@ EPILOGUES = ("tile", "lanes", "mma")
 
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
                          block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1,
-                         full_tiles: bool = False, epilogue: str = "tile", ks_global: bool = False,
-                         reverse: bool = False):
+                         full_tiles: bool = False, epilogue: str = "tile", ks_global: bool = False):
     """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
     be a multiple of block_Q, Sk of block_N.
 
@@ -223,8 +222,6 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     ``ks_global`` (register epilogues): the keys' FP8 scales read by the epilogue from global memory (L1/L2, two
     per thread and tile) instead of copied to shared memory with each tile (a cp.async group and a barrier less
     per tile).
-    ``reverse``: CTA ``b`` takes the ``b``-th query block from the last, so in a causal chunk the longest rows
-    are dispatched first and the launch's tail is its shortest rows (for chunks whose rows differ in length).
     The logits are stored from the registers that reduced them: a version
     staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
     logits there, so it was dropped.
@@ -280,7 +277,7 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             in_lo = T.alloc_var(T.int32)                     # keys valid for every query of the block
             in_hi = T.alloc_var(T.int32)
 
-            q0 = (seq_q - block_Q - bx * block_Q) if reverse else bx * block_Q
+            q0 = bx * block_Q
             lo = seq_k
             hi = 0
             in_lo = 0
@@ -354,8 +351,7 @@ def _from_ordered_key(key):
 def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
                       warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
                       warp_scan: bool = False, rank_sort: bool = False, rank_max: int = 0,
-                      sample_group: int = 1, unroll: int = 1, min_blocks: int = 1, reverse: bool = False,
-                      direct_rank: bool = False):
+                      sample_group: int = 1, unroll: int = 1, min_blocks: int = 1, direct_rank: bool = False):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
     ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
@@ -404,8 +400,6 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
     - ``unroll`` (the sampled passes and, with ``rank_sort``, the pass against the float bound): vectors each
       thread loads before it tests any of them, so that many of its reads are in flight at once.
     - ``min_blocks``: CTAs per SM the register allocation must leave room for (``__launch_bounds__``).
-    - ``reverse``: CTA ``b`` takes row ``seq_q - 1 - b``: in a causal chunk the longest rows first, the shortest
-      in the launch's tail.
     - ``direct_rank`` (with ``rank_sort`` and ``sample``): a row whose sampled bound held ranks its candidates (every
       key >= tau, about 1.3 topk of them) by the counting sort at once, on ``next_pow2(candidates)`` buckets, and
       writes the first topk: no radix rounds on the candidates and no winners' pass. Ties at the k-th score go to
@@ -653,8 +647,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
         Ends: T.Tensor([seq_q], T.int32),
         Out: T.Tensor([seq_q, topk], T.int32),
     ):
-        with T.Kernel(seq_q, threads=threads) as bx:
-            row = (seq_q - 1 - bx) if reverse else bx
+        with T.Kernel(seq_q, threads=threads) as row:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -1148,14 +1141,12 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # two- or three-stage cp.async pipeline of the key tiles (``num_stages`` 2 / 3, which TileLang 0.1.15 builds only
 # with the drain unrolled, :func:`compile_indexer_logits`) 20.76 / 20.75 against 19.31 (run21).
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False,
-                   "reverse": False}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False}
 
 
 # the logits kernel without the op's store and register options and with TileLang's own epilogue: what the
 # options must not change and what the register epilogues are checked against (the GPU tests)
-PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile", "ks_global": False,
-                "reverse": False}
+PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile", "ks_global": False}
 
 
 def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str):
@@ -1204,8 +1195,8 @@ SELECT_TUNABLES = {
     "unroll": 2,          # the sampled passes and the float-bound pass: 2 vectors a thread in flight a trip (64K
                           # alone: 6.63 ms against 6.96, 4: 6.85; bench_kernels_sweep_run21_h200.json)
     "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
-    "reverse": False,     # rows first to last
-    "direct_rank": False,  # a sampled row's candidates ranked at once (no radix rounds on them)
+    "direct_rank": True,  # a sampled row's candidates ranked at once (no radix rounds on them): 6.52 ms alone at
+                          # 64K against 6.74 (bench_kernels_topk_run29_h200.json)
 }
 
 
@@ -1245,73 +1236,23 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
 # --------------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------------
-# fp32 scores materialised per query chunk, at most LOGITS_BUDGET_BYTES at once. 2 GiB: 8K full-width rows a
-# chunk at 64K keys, 4K at 128K, so each logits launch has thousands of one-warpgroup CTAs (with 1 GiB, 128K ran 64
-# chunks of 512 CTAs: an SM-wave tail each)
+# fp32 scores materialised per query chunk. 2 GiB: 8K queries a chunk at 64K keys, 4K at 128K, so each logits
+# launch has thousands of one-warpgroup CTAs (with 1 GiB, 128K ran 64 chunks of 512 CTAs: an SM-wave tail each)
 LOGITS_BUDGET_BYTES = 2 << 30
 BLOCK_N = 128
-PLAN_GROUP = 128  # the area plan's chunks start and end on multiples of this many rows
-# How the op runs its chunks. ``plan``: how the rows are cut into chunks.
-# - ``"area"``: a chunk's buffer is its rows times their own key extent (the largest end among them and the rows
-#   before, rounded up to BLOCK_N), so a causal row range packs about twice the rows of a full-width chunk: half
-#   the launches in the same memory. It reads the rows' ends back to the host (one sync of the caller's stream) to
-#   cut the chunks; the op runs the ``"rows"`` plan where the sync is not allowed (CUDA-graph capture) or one
-#   full-width chunk already holds every row.
-# - ``"rows"``: chunks of equal rows, every row of the chunk as wide as the keys: no sync.
-# ``buffers`` 2: the select of chunk c runs on a side stream while the logits of chunk c + 1 fill the other
-# buffer (the select's CTAs fill the SMs the logits' wave tails leave), at twice the buffer memory when the op
-# has more than one chunk; 1: one buffer, logits then select, in order on the caller's stream.
-# ``select_priority``: the side stream's priority (lower is higher, CUDA's convention; 0 the default).
-# H200, FP8 op, round-robin in one process (bench_kernels_topk_run26/27_h200.json), with the rows plan: two 2 GiB
-# buffers 1.4% / 2.6% faster at 64K / 128K (25.90 / 99.25 ms against 26.28 / 101.95) for 2 GiB more, and two 1 GiB
-# ones slower than one 2 GiB (26.97 / 103.33 against 26.41 / 101.53: twice the launches); one 4 GiB buffer
-# (half the launches) 25.56 / 96.90. The layer at 128K already peaks within a few GiB of the H200's memory, so the
-# op keeps one 2 GiB buffer, and the area plan gets the launches of the 4 GiB one from it.
-LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0, "plan": "rows"}
-PLANS = ("area", "rows")
-
-
-def plan_chunks(S: int, Skp: int, block_Q: int, budget: int, extents=None, group: int | None = None):
-    """The op's chunks as ``[(r0, r1, kend)]``: rows ``[r0, r1)`` whose logits take a ``[round_up(r1 - r0,
-    block_Q), kend]`` fp32 buffer of at most ``budget`` bytes (or one block of full-width rows, if even that is
-    more). ``extents`` (the area plan): per group of ``group`` rows, a nondecreasing key extent, a multiple of
-    BLOCK_N of at most ``Skp`` covering the ends of the group's rows; each chunk is then the most whole groups
-    whose rows times the last group's extent fit. ``None``: the rows plan, full-width chunks of equal rows."""
-    rows = max(block_Q, (budget // (Skp * 4)) // block_Q * block_Q)     # full-width rows the budget holds
-    if extents is None:
-        rows = min(rows, round_up(S, block_Q))
-        return [(c0, min(S, c0 + rows), Skp) for c0 in range(0, S, rows)]
-    assert group % block_Q == 0 and len(extents) == -(-S // group), (group, block_Q, len(extents), S)
-
-    def fits(g1, r0):                               # rows r0 .. the end of group g1 - 1 within the budget
-        return round_up(min(S, g1 * group) - r0, block_Q) * extents[g1 - 1] * 4 <= budget
-
-    chunks, g0 = [], 0
-    while g0 < len(extents):
-        r0 = g0 * group
-        lo, hi = g0 + 1, len(extents)               # the largest end group that fits (at least one group)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid, r0) else (lo, mid - 1)
-        chunks.append((r0, min(S, lo * group), int(extents[lo - 1])))
-        g0 = lo
-    return chunks
-
-
-def _op_chunks(S: int, Skp: int, block_Q: int, ends: torch.Tensor):
-    """:func:`plan_chunks` for the op's rows, by ``LAUNCH_TUNABLES["plan"]`` (see there)."""
-    plan = LAUNCH_TUNABLES.get("plan", "rows")
-    assert plan in PLANS, f"LAUNCH_TUNABLES: plan must be one of {PLANS}, not {plan!r}"
-    budget = LOGITS_BUDGET_BYTES
-    chunks = plan_chunks(S, Skp, block_Q, budget)
-    if plan == "rows" or len(chunks) == 1 or (ends.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return chunks
-    group = chunks[0][1]                            # full-width rows that fit: the groups must fit one each
-    group = min(group, max(block_Q, PLAN_GROUP // block_Q * block_Q))
-    G = -(-S // group)
-    ext = pad_dim(ends, 0, G * group).view(G, group).amax(1).cummax(0).values
-    ext = ((ext + (BLOCK_N - 1)) // BLOCK_N * BLOCK_N).clamp_(min=BLOCK_N)
-    return plan_chunks(S, Skp, block_Q, budget, ext.tolist(), group)   # .tolist(): the sync
+# How the op runs its chunks. ``buffers`` 2: the select of chunk c runs on a side stream while the logits of
+# chunk c + 1 fill the other buffer (the select's CTAs fill the SMs the logits' wave tails leave), at twice the
+# buffer memory when the op has more than one chunk; 1: one buffer, logits then select, in order on the caller's
+# stream. ``select_priority``: the side stream's priority (lower is higher, CUDA's convention; 0 the default).
+# H200, FP8 op, round-robin in one process (bench_kernels_topk_run26/27_h200.json): two 2 GiB buffers 1.4% / 2.6%
+# faster at 64K / 128K (25.90 / 99.25 ms against 26.28 / 101.95) for 2 GiB more, and two 1 GiB ones slower than
+# one 2 GiB (26.97 / 103.33 against 26.41 / 101.53: twice the launches); the layer at 128K already peaks within
+# a few GiB of the H200's memory, so the op keeps one buffer. Chunks cut by area instead (as wide as their rows'
+# ends, so a causal range packs twice the rows: half the launches in the same memory, for one read-back of the
+# ends) were slower, 27.48 / 103.7 ms against 26.43 / 99.21, in their logits kernels (78.3 against 74.0 ms at
+# 128K), and so were the kernels taking the longest causal rows first (bench_kernels_topk_run28/29_h200.json);
+# both were dropped.
+LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0}
 
 
 @functools.cache
@@ -1348,29 +1289,30 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     ks = k_scale.float() if k_scale is not None else torch.ones(Sk, dtype=torch.float32, device=dev)
     ks = pad_dim(ks, 0, Skp)
     w = (weights.to(torch.float32) * scale).contiguous()
+    starts = starts.clamp(0, Sk).contiguous()
     ends = ends.clamp(0, Sk).contiguous()
-    starts = torch.minimum(starts.clamp(0, Sk), ends).contiguous()       # an empty row's start within its chunk
 
-    chunks = _op_chunks(S, Skp, block_Q, ends)
-    n_buf = max(1, min(int(LAUNCH_TUNABLES["buffers"]), len(chunks)))
-    size = max(round_up(r1 - r0, block_Q) * kend for r0, r1, kend in chunks)
-    bufs = [torch.empty(size, dtype=torch.float32, device=dev) for _ in range(n_buf)]
+    chunk = max(block_Q, (LOGITS_BUDGET_BYTES // (Skp * 4)) // block_Q * block_Q)
+    chunk = min(chunk, round_up(S, block_Q))
+    n_buf = max(1, min(int(LAUNCH_TUNABLES["buffers"]), -(-S // chunk)))
+    bufs = [torch.empty(chunk, Skp, dtype=torch.float32, device=dev) for _ in range(n_buf)]
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device(),
                         int(LAUNCH_TUNABLES["select_priority"])) if n_buf > 1 else None
     freed = [None] * n_buf          # per buffer: the event after the select that last read it
     held = []                       # the side stream's inputs, alive until it is joined
-    for c, (c0, c1, kend) in enumerate(chunks):
+    for c, c0 in enumerate(range(0, S, chunk)):
+        c1 = min(S, c0 + chunk)
         n = c1 - c0
         n_pad = round_up(n, block_Q)
-        logits = bufs[c % n_buf][:n_pad * kend].view(n_pad, kend)
+        logits = bufs[c % n_buf][:n_pad]
         qc = pad_dim(q[c0:c1].view(torch.uint8), 0, n_pad).view(q.dtype).view(n_pad * H, D)
         wc = pad_dim(w[c0:c1], 0, n_pad)
         sc = pad_dim(starts[c0:c1], 0, n_pad)
         ec = pad_dim(ends[c0:c1], 0, n_pad)
         if freed[c % n_buf] is not None:
             main.wait_event(freed[c % n_buf])
-        logits_k(qc, k_pad[:kend], ks[:kend], wc, sc, ec, logits)
+        logits_k(qc, k_pad, ks, wc, sc, ec, logits)
         if side is None:
             select_k(logits[:n], sc[:n], ec[:n], out[c0:c1])
             continue
