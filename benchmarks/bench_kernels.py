@@ -48,9 +48,11 @@ def cuda_time_ms(fn, warmup=2, reps=10):
     return statistics.median(times)
 
 
-def interleaved_ms(fns, warmup=2, reps=10, rounds=None):
+def interleaved_ms(fns, warmup=2, reps=10, rounds=None, calls=1):
     """Each of ``fns`` (name -> callable) timed once a round, in turn, for ``reps`` rounds: a drift of the clocks
-    over the run reaches every one alike. The median per name; ``rounds`` (a dict) gets every round's times."""
+    over the run reaches every one alike. The median ms per call and name; ``rounds`` (a dict) gets every round's
+    times. ``calls`` > 1: each round times that many calls queued back to back (no synchronisation between them,
+    as the op runs inside a training step, where the host is ahead of the GPU)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -60,10 +62,11 @@ def interleaved_ms(fns, warmup=2, reps=10, rounds=None):
         for name, fn in fns.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            for _ in range(calls):
+                fn()
             b.record()
             torch.cuda.synchronize()
-            times[name].append(a.elapsed_time(b))
+            times[name].append(a.elapsed_time(b) / calls)
     if rounds is not None:
         rounds.update(times)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -114,27 +117,6 @@ def launch_timeline(fn, top=4):
             "span_ms": round((reach - kernels[0][0]) / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
             "kernels": len(kernels), "gaps_ms": round(sum(g for g, _ in gaps), 3),
             "largest_gaps": sorted(gaps, reverse=True)[:top]}
-
-
-def back_to_back_ms(fns, calls=4, warmup=1, reps=5):
-    """Like :func:`interleaved_ms`, but each round times ``calls`` calls of a variant queued back to back (no
-    synchronisation between them, as the op runs inside a training step, where the host is ahead of the GPU):
-    the median ms per call."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(calls):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            times[name].append(a.elapsed_time(b) / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def topk_inputs(S, H=32, D=128, seed=0):
@@ -195,7 +177,7 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
         row["fp8_variants_kernels_ms"] = {name: {r["name"][:24]: round(r["ms"], 3) for r in kernel_profile(call, top=2)}
                                           for name, call in calls.items()}
         row["fp8_variants_timeline"] = {name: launch_timeline(call) for name, call in calls.items()}
-        row["fp8_variants_back_to_back_ms"] = back_to_back_ms(calls, reps=max(3, reps // 2))
+        row["fp8_variants_back_to_back_ms"] = interleaved_ms(calls, warmup=1, reps=max(3, reps // 2), calls=4)
         for name, call in calls.items():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
