@@ -259,12 +259,11 @@ SIXTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"epilogue": "tile"}
 SIXTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
 # ... and before the fifth. The select's register sort is today's (one uint64 per pair): the one it had then,
 # key and id apart, was dropped after that session.
-FIFTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                        "full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile",
-                        "ks_global": False}
-FIFTH_SESSION_SELECT = {"candidates": 2048, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": True,
-                        "sample": 0, "warp_scan": False, "rank_sort": False, "sample_group": 1, "unroll": 1,
-                        "min_blocks": 1, "direct_rank": False}
+FIFTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"full_tiles": False, "unchecked": False, "min_blocks": 1,
+                                                 "epilogue": "tile"}
+FIFTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 2048, "warp_append": True, "sample": 0,
+                                                 "warp_scan": False, "rank_sort": False, "sample_group": 1,
+                                                 "min_blocks": 1}
 
 # Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
 # overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue

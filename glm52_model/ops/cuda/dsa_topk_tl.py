@@ -342,6 +342,11 @@ def _ordered_key(x):
     return T.if_then_else(x < 0, bits ^ T.uint32(0xFFFFFFFF), bits | T.uint32(0x80000000))
 
 
+def _key_as(key, raw: bool, flipped: bool):
+    """A key held ordered (``raw``) or ``^ FLIP`` (ascending = score desc), as the form asked for."""
+    return key ^ T.uint32(0xFFFFFFFF) if raw == flipped else key
+
+
 def _from_ordered_key(key):
     """The inverse of :func:`_ordered_key`: uint32 -> the fp32 it orders."""
     return T.reinterpret(T.if_then_else(key >= T.uint32(0x80000000), key & T.uint32(0x7FFFFFFF),
@@ -556,10 +561,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
         xmn = T.infinity(T.float32)
         for e in T.unroll(e_n):
             if e * threads + tx < n_src:
-                if raw:
-                    x = _from_ordered_key(src_key[e * threads + tx])
-                else:
-                    x = _from_ordered_key(src_key[e * threads + tx] ^ FLIP)
+                x = _from_ordered_key(_key_as(src_key[e * threads + tx], raw, False))
                 if (src_idx[e * threads + tx] != _INT_MAX) & (x > -T.infinity(T.float32)) & (
                         x < T.infinity(T.float32)):
                     xmx = T.max(xmx, x)
@@ -584,10 +586,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             bkt[e] = -1
             if e * threads + tx < n_src:
                 if src_idx[e * threads + tx] != _INT_MAX:
-                    if raw:
-                        ak = src_key[e * threads + tx]
-                    else:
-                        ak = src_key[e * threads + tx] ^ FLIP
+                    ak = _key_as(src_key[e * threads + tx], raw, False)
                     x = _from_ordered_key(ak)
                     bkt[e] = T.if_then_else(
                         (x > -T.infinity(T.float32)) & (x < T.infinity(T.float32)),
@@ -614,20 +613,14 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             # [hist[b - 1], hist[b])
             for e in T.unroll(e_n):
                 if bkt[e] >= 0:
-                    if raw:
-                        fk = src_key[e * threads + tx] ^ FLIP
-                    else:
-                        fk = src_key[e * threads + tx]
+                    fk = _key_as(src_key[e * threads + tx], raw, True)
                     slot[0] = T.atomic_add(hist[bkt[e]], 1, return_prev=True)
                     dst_key[slot[0]] = fk
                     dst_idx[slot[0]] = src_idx[e * threads + tx]
             T.sync_threads()
             for e in T.unroll(e_n):
                 if bkt[e] >= 0:
-                    if raw:
-                        fk = src_key[e * threads + tx] ^ FLIP
-                    else:
-                        fk = src_key[e * threads + tx]
+                    fk = _key_as(src_key[e * threads + tx], raw, True)
                     ai = src_idx[e * threads + tx]
                     r_lo = T.if_then_else(bkt[e] > 0, hist[T.max(bkt[e] - 1, 0)], 0)
                     r_n = r_lo
