@@ -247,13 +247,13 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
 # would take today's value. The seventh session's own start: its select with one vector a thread in flight.
 SEVENTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                           "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma",
-                          "ks_global": False}
+                          "ks_global": False, "pipeline": "tilelang", "banks": 1}
 SEVENTH_SESSION_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
                           "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
                           "min_blocks": 3, "direct_rank": False}
 PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                          # the seventh session left the logits kernel as is
 PREVIOUS_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
-PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
+PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0, "rows": 0}
 # ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
 SIXTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"epilogue": "tile"}
 SIXTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
@@ -287,6 +287,12 @@ LOGITS_SWEEP = {
     "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
     "sixth_session": SIXTH_SESSION_LOGITS,            # before issue 13's sixth session: TileLang's epilogue
     "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
+    "tilelang_pipeline": {"pipeline": "tilelang", "banks": 1},    # TileLang's software pipeline, 4 barriers a tile
+    "hand": {"pipeline": "hand", "banks": 1},         # two key-tile buffers by hand, one barrier a tile
+    "hand_min5": {"pipeline": "hand", "banks": 1, "min_blocks": 5},
+    "hand_lanes": {"pipeline": "hand", "banks": 1, "epilogue": "lanes"},
+    "banks2": {"pipeline": "hand", "banks": 2},       # ... two wgmma chains, the second under the first's epilogue
+    "banks2_min5": {"pipeline": "hand", "banks": 2, "min_blocks": 5},     # ... registers for 5 CTAs per SM
 }
 
 
@@ -301,6 +307,14 @@ OP_SWEEP = {
     "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
     "serial_4g": {"budget": 4 << 30},                        # one full-width 4 GiB buffer: half the launches
     "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
+    "tilelang_pipeline": {"logits": {"pipeline": "tilelang", "banks": 1}},   # the logits' key tiles: TileLang's
+    "hand": {"logits": {"pipeline": "hand", "banks": 1}},    # ... two buffers by hand, one barrier a tile
+    "hand_min5": {"logits": {"pipeline": "hand", "banks": 1, "min_blocks": 5}},
+    "banks2": {"logits": {"pipeline": "hand", "banks": 2}},  # ... and two wgmma chains
+    "waves": {"launch": {"rows": "waves"}},                  # chunks of whole waves of both kernels (chunk_rows)
+    "budget_rows": {"launch": {"rows": 0}},                  # chunks as large as the 2 GiB budget holds
+    "l3": {"logits": {"min_blocks": 3}},                     # the logits kernel's registers for 3 CTAs per SM
+    "waves_l3": {"launch": {"rows": "waves"}, "logits": {"min_blocks": 3}},   # ... and chunks of whole waves
 }
 
 
@@ -439,6 +453,57 @@ def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), sele
     failed = [d for d in done if d[3]]
     print(json.dumps({"precompiled": len(done), "failed": [[d[0], d[1], d[3]] for d in failed],
                       "wall_s": round(time.time() - t0, 1)}), flush=True)
+
+
+def host_time(S, topk, calls=4):
+    """The FP8 op's host side at S: per call, ms until it returns (every launch queued) and until the GPU is done,
+    each call from an idle GPU; and the ms of a TileLang launch of each kernel on 64 rows (the GPU idle)."""
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    q, k, w, starts, ends = topk_inputs(S)
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    scale = 128 ** -0.5
+    op = lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)          # noqa: E731
+    op()
+    row = {"S": S, "returns_ms": [], "done_ms": []}
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        op()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        row["returns_ms"].append(round(1e3 * (t1 - t0), 3))
+        row["done_ms"].append(round(1e3 * (time.perf_counter() - t0), 3))
+    arch = tl.cuda_target()["arch"]
+    lk, sk = tl.logits_kernel(32, 128, q8.dtype, arch), tl.select_kernel(topk, arch)
+    buf = torch.empty(64, S, dtype=torch.float32, device="cuda")
+    out = torch.empty(64, topk, dtype=torch.int32, device="cuda")
+    wq = (w8.float() * scale).contiguous()
+    launches = {"logits": lambda: lk(q8[:64].reshape(64 * 32, 128), k8, ks, wq[:64], starts[:64], ends[:64], buf),
+                "select": lambda: sk(buf, starts[:64], ends[:64], out)}
+    for name, fn in launches.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        row[f"{name}_launch_ms"] = round(1e3 * (time.perf_counter() - t0) / 20, 4)
+    return row
+
+
+def logits_once(S, names):
+    """One launch of the FP8 logits kernel at S for each LOGITS_SWEEP name (for a profiler: ncu --kernel-name
+    indexer_logits_kernel python3 benchmarks/bench_kernels.py --logits-once S:name,...)."""
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    q, k, w, starts, ends = topk_inputs(S)
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    out = torch.empty(S, S, dtype=torch.float32, device="cuda")
+    ww = (w8.float() * 128 ** -0.5).contiguous()
+    for name in names:
+        lk = tl.compile_indexer_logits(32, 128, tl.cuda_target()["arch"], torch.float8_e4m3fn,
+                                       **({"block_Q": 4} | tl.LOGITS_TUNABLES | LOGITS_SWEEP[name]))
+        lk(q8.view(S * 32, 128), k8, ks.float(), ww, starts, ends, out)
+        torch.cuda.synchronize()
 
 
 def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
@@ -640,6 +705,9 @@ def main(argv=None):
                    help="JSON overrides of the op's LOGITS_TUNABLES for this whole run (recorded in the rows)")
     p.add_argument("--select-tunables", default="",
                    help="JSON overrides of the op's SELECT_TUNABLES for this whole run (recorded in the rows)")
+    p.add_argument("--host-seq", default="", help="lengths at which to time the FP8 op's host side (host_time)")
+    p.add_argument("--logits-once", default="",
+                   help="S:name,name: one FP8 logits launch per LOGITS_SWEEP name at S (for ncu), then exit")
     p.add_argument("--precompile", type=int, default=0,
                    help="first build the top-k kernels the sweeps and the op use in this many processes")
     p.add_argument("--out", default=None)
@@ -668,8 +736,19 @@ def main(argv=None):
                    cuda_target()["arch"],
                    select_names=None if args.select_configs is None else args.select_configs.split(","),
                    op_names=op_names if args.topk_op_seq else ())
+    if args.logits_once:
+        S, names = args.logits_once.split(":")
+        unknown = sorted(set(names.split(",")) - set(LOGITS_SWEEP))
+        if unknown:
+            sys.exit(f"bench_kernels: --logits-once {','.join(unknown)}: not in LOGITS_SWEEP; choose from "
+                     f"{', '.join(LOGITS_SWEEP)}")
+        logits_once(int(S), names.split(","))
+        return result
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
+    result["host"] = [host_time(S, args.topk) for S in ints(args.host_seq)]
+    for row in result["host"]:
+        print(json.dumps(row), flush=True)
     for S in ints(args.topk_op_seq):
         row, _ = bench_topk(S, args.topk, args.reps, parts=False, variants=op_names)
         print(json.dumps(row), flush=True)
