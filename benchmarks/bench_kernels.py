@@ -247,13 +247,13 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
 # would take today's value. The seventh session's own start: its select with one vector a thread in flight.
 SEVENTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                           "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma",
-                          "ks_global": False, "pipeline": "tilelang", "banks": 1}
+                          "ks_global": False}
 SEVENTH_SESSION_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
                           "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
                           "min_blocks": 3, "direct_rank": False}
 PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                          # the seventh session left the logits kernel as is
 PREVIOUS_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
-PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0, "rows": 0}
+PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
 # ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
 SIXTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"epilogue": "tile"}
 SIXTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
@@ -287,12 +287,6 @@ LOGITS_SWEEP = {
     "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
     "sixth_session": SIXTH_SESSION_LOGITS,            # before issue 13's sixth session: TileLang's epilogue
     "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
-    "tilelang_pipeline": {"pipeline": "tilelang", "banks": 1},    # TileLang's software pipeline, 4 barriers a tile
-    "hand": {"pipeline": "hand", "banks": 1},         # two key-tile buffers by hand, one barrier a tile
-    "hand_min5": {"pipeline": "hand", "banks": 1, "min_blocks": 5},
-    "hand_lanes": {"pipeline": "hand", "banks": 1, "epilogue": "lanes"},
-    "banks2": {"pipeline": "hand", "banks": 2},       # ... two wgmma chains, the second under the first's epilogue
-    "banks2_min5": {"pipeline": "hand", "banks": 2, "min_blocks": 5},     # ... registers for 5 CTAs per SM
 }
 
 
@@ -307,14 +301,7 @@ OP_SWEEP = {
     "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
     "serial_4g": {"budget": 4 << 30},                        # one full-width 4 GiB buffer: half the launches
     "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
-    "tilelang_pipeline": {"logits": {"pipeline": "tilelang", "banks": 1}},   # the logits' key tiles: TileLang's
-    "hand": {"logits": {"pipeline": "hand", "banks": 1}},    # ... two buffers by hand, one barrier a tile
-    "hand_min5": {"logits": {"pipeline": "hand", "banks": 1, "min_blocks": 5}},
-    "banks2": {"logits": {"pipeline": "hand", "banks": 2}},  # ... and two wgmma chains
-    "waves": {"launch": {"rows": "waves"}},                  # chunks of whole waves of both kernels (chunk_rows)
-    "budget_rows": {"launch": {"rows": 0}},                  # chunks as large as the 2 GiB budget holds
     "l3": {"logits": {"min_blocks": 3}},                     # the logits kernel's registers for 3 CTAs per SM
-    "waves_l3": {"launch": {"rows": "waves"}, "logits": {"min_blocks": 3}},   # ... and chunks of whole waves
 }
 
 

@@ -22,7 +22,6 @@ The op's `scale` is folded into the weights before the logits kernel.
 
 
 import functools
-import math
 
 import torch
 
@@ -144,15 +143,14 @@ __device__ __forceinline__ unsigned int relu_bf16x2(float lo, float hi) {
   return d;
 }
 
-// "mma": B fragments (mma.m16n8k16, bf16) of the block-diagonal [N, 8] weights of the N GEMM columns (queries Q0..,
-// H heads each): B[i * H + h, Q0 + i] = w[i, h]; the lane of group g holds column g, so only query g's k-steps are
-// non-zero. Q0 > 0: a second bank of the block's queries, accumulated into the same [16 keys, 8 queries] tile.
-template <int N, int H, int Q0 = 0>
+// "mma": B fragments (mma.m16n8k16, bf16) of the block-diagonal [N, 8] weights: B[i * H + h, i] = w[i, h]; the
+// lane of group g holds column g, so only query g's k-steps are non-zero
+template <int N, int H>
 __device__ __forceinline__ void load_wb(unsigned int* b, const float* __restrict__ W) {
   const int g = (threadIdx.x >> 2) & 7, t = threadIdx.x & 3;
   #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
-    const bool mine = Q0 + (16 * kk) / H == g;
+    const bool mine = (16 * kk) / H == g;
     const float* wk = W + 16 * kk;
     b[2 * kk] = mine ? bf16x2(wk[2 * t], wk[2 * t + 1]) : 0u;
     b[2 * kk + 1] = mine ? bf16x2(wk[2 * t + 8], wk[2 * t + 9]) : 0u;
@@ -160,29 +158,27 @@ __device__ __forceinline__ void load_wb(unsigned int* b, const float* __restrict
 }
 
 // "mma": relu(acc) rounded to bf16 in the accumulator's own registers is the A fragment of mma.m16n8k16 (the
-// warp's 16 key rows x 16 GEMM columns a k-step), times the weights' B, added to d: each warp's [16 keys,
-// 8 queries] logits in fp32, two independent accumulation chains (d[0..3] and d[4..7], k-steps even and odd).
-template <int N>
-__device__ __forceinline__ void mma_acc(const float* acc, const unsigned int* b, float* d) {
+// warp's 16 key rows x 16 GEMM columns a k-step), times the weights' B: each warp's [16 keys, 8 queries]
+// logits in fp32, two independent accumulation chains. The lane 4g + t gets keys g, g + 8 for queries 2t, 2t + 1.
+template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
+__device__ __forceinline__ void mma(const float* acc, const unsigned int* b, const float* ks, float* __restrict__ out,
+                                    long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
+                                    int k0) {
+  constexpr int N = QB * H;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
     const float* x = acc + 8 * kk;   // column groups 2kk, 2kk + 1
     const unsigned int a0 = relu_bf16x2(x[0], x[1]), a1 = relu_bf16x2(x[2], x[3]);
     const unsigned int a2 = relu_bf16x2(x[4], x[5]), a3 = relu_bf16x2(x[6], x[7]);
-    float* e = d + 4 * (kk & 1);
+    float* e = d[kk & 1];
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(e[0]), "+f"(e[1]), "+f"(e[2]), "+f"(e[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b[2 * kk]), "r"(b[2 * kk + 1]));
   }
-}
-
-// "mma": the [16 keys, QB queries] logits of d stored; the lane 4g + t holds keys g, g + 8 for queries 2t, 2t + 1
-template <int QB, bool SCALED, bool FULL, bool KG = false>
-__device__ __forceinline__ void mma_store(const float* d, const float* ks, float* __restrict__ out, long long seq_k,
-                                          const int* __restrict__ starts, const int* __restrict__ ends, int k0) {
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -190,20 +186,10 @@ __device__ __forceinline__ void mma_store(const float* d, const float* ks, float
     for (int c = 0; c < 2; ++c) {
       const int q = 2 * t + c;
       if (q < QB)
-        put<SCALED, FULL, KG>(d[2 * r + c] + d[4 + 2 * r + c], q, warp * 16 + g + 8 * r, ks, out, seq_k, starts,
-                              ends, k0);
+        put<SCALED, FULL, KG>(d[0][2 * r + c] + d[1][2 * r + c], q, warp * 16 + g + 8 * r, ks, out, seq_k, starts,
+                          ends, k0);
     }
   }
-}
-
-// "mma", one bank: the tile's logits from its accumulator alone
-template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
-__device__ __forceinline__ void mma(const float* acc, const unsigned int* b, const float* ks, float* __restrict__ out,
-                                    long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
-                                    int k0) {
-  float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  mma_acc<QB * H>(acc, b, d);
-  mma_store<QB, SCALED, FULL, KG>(d, ks, out, seq_k, starts, ends, k0);
 }
 }  // namespace dsa_logits
 """
@@ -212,8 +198,7 @@ EPILOGUES = ("tile", "lanes", "mma")
 
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
                          block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1,
-                         full_tiles: bool = False, epilogue: str = "tile", ks_global: bool = False,
-                         pipeline: str = "tilelang", banks: int = 1):
+                         full_tiles: bool = False, epilogue: str = "tile", ks_global: bool = False):
     """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
     be a multiple of block_Q, Sk of block_N.
 
@@ -237,14 +222,6 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     ``ks_global`` (register epilogues): the keys' FP8 scales read by the epilogue from global memory (L1/L2, two
     per thread and tile) instead of copied to shared memory with each tile (a cp.async group and a barrier less
     per tile).
-    ``pipeline`` (register epilogues): how the key tiles reach shared memory. "tilelang": TileLang's software
-    pipeline (``num_stages``), four barriers a tile. "hand": two tile buffers, written out: tile t + 1 starts loading
-    (cp.async) as tile t starts, one barrier a tile.
-    ``banks`` (``pipeline="hand"``): 2 splits the block's queries into two halves, each its own wgmma chain into its
-    own half of the accumulator registers (as many in all), issued back to back and waited for one at a time, so
-    that the first half's epilogue runs while the tensor cores compute the second's.
-    Each pipeline and bank count writes the same logits bit for bit ("mma": the halves add into one [16 keys,
-    8 queries] mma tile in the same order; "lanes": the same sums and butterfly).
     The logits are stored from the registers that reduced them: a version
     staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
     logits there, so it was dropped.
@@ -266,85 +243,6 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
         assert threads == 128 and block_N == 64, "the register epilogues take one warpgroup's 64-key tile"
         fn = f"dsa_logits::{epilogue}<{block_Q}, {heads}, {str(scaled).lower()}"
         kg = ", true>" if ks_global else ">"
-    assert pipeline in ("tilelang", "hand") and banks in (1, 2), f"pipeline {pipeline!r}, banks {banks}"
-    if pipeline == "hand":
-        assert epilogue != "tile", "pipeline='hand' takes a register epilogue"
-        assert banks == 1 or block_Q % 2 == 0, "banks=2 takes an even block_Q"
-        half, QH = rows // banks, block_Q // banks     # GEMM rows and queries of a bank
-        sc = str(scaled).lower()
-        # "mma": both halves add into one mma tile, stored once; "lanes": each half stores its own queries
-        bank_fn = f"dsa_logits::lanes<{QH}, {heads}, {sc}" if epilogue == "lanes" else None
-        store_fn = f"dsa_logits::mma_store<{block_Q}, {sc}"
-
-    def ks_ptr(KS, ks_cur, k0):
-        # the tile's key scales for the epilogue (an expression: bound to a variable, it would lose its type);
-        # bf16 builds never read them
-        return T.access_ptr(ks_cur, "r") if scaled and not ks_global else T.access_ptr(KS[k0], "r")
-
-    @T.macro
-    def banked_epilogues(K, KS, W, Starts, Ends, Logits, q0, k0, full, qa, qb, k_cur, ks_cur, sa, sb, wa, wb, d):
-        # banks=2: both halves' wgmma chains issued, each half's epilogue once its chain has landed
-        T.gemm(k_cur, qa, sa, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol,
-               annotations={"wg_wait": -1})
-        T.gemm(k_cur, qb, sb, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol,
-               annotations={"wg_wait": -1})
-        T.wait_wgmma(1)
-        T.warpgroup_fence_operand(sa, num_regs=half * block_N // 128)
-        if epilogue == "mma":
-            for i in T.unroll(8):
-                d[i] = 0
-            T.call_extern("handle", f"dsa_logits::mma_acc<{half}>", sa.data, T.access_ptr(wa, "r"),
-                          T.access_ptr(d, "rw"))
-        else:
-            args = (sa.data, T.access_ptr(wa, "r"), ks_ptr(KS, ks_cur, k0), T.access_ptr(Logits[q0, k0], "w"), seq_k,
-                    T.access_ptr(Starts[q0], "r"), T.access_ptr(Ends[q0], "r"), k0)
-            if full:
-                T.call_extern("handle", bank_fn + ", true" + kg, *args)
-            else:
-                T.call_extern("handle", bank_fn + ", false" + kg, *args)
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(sb, num_regs=half * block_N // 128)
-        if epilogue == "mma":
-            T.call_extern("handle", f"dsa_logits::mma_acc<{half}>", sb.data, T.access_ptr(wb, "r"),
-                          T.access_ptr(d, "rw"))
-            args = (T.access_ptr(d, "r"), ks_ptr(KS, ks_cur, k0), T.access_ptr(Logits[q0, k0], "w"), seq_k,
-                    T.access_ptr(Starts[q0], "r"), T.access_ptr(Ends[q0], "r"), k0)
-            if full:
-                T.call_extern("handle", store_fn + ", true" + kg, *args)
-            else:
-                T.call_extern("handle", store_fn + ", false" + kg, *args)
-        else:
-            args = (sb.data, T.access_ptr(wb, "r"), ks_ptr(KS, ks_cur, k0), T.access_ptr(Logits[q0 + QH, k0], "w"), seq_k,
-                    T.access_ptr(Starts[q0 + QH], "r"), T.access_ptr(Ends[q0 + QH], "r"), k0)
-            if full:
-                T.call_extern("handle", bank_fn + ", true" + kg, *args)
-            else:
-                T.call_extern("handle", bank_fn + ", false" + kg, *args)
-
-    @T.macro
-    def hand_tile(Q, K, KS, W, Starts, Ends, Logits, q0, t, lo, n_tiles, in_lo, in_hi, qa, qb, k_cur, ks_cur,
-                    k_nxt, ks_nxt, sa, sb, wa, wb, d):
-        # pipeline="hand", key tile t from (k_cur, ks_cur), prefetching tile t + 1 into (k_nxt, ks_nxt): every
-        # thread's copies of tile t have landed and every warp is past tile t - 1 (which read k_nxt) at the barrier
-        k0 = lo + t * block_N
-        T.ptx_wait_group(0)
-        T.sync_threads()
-        if t + 1 < n_tiles:
-            T.async_copy(K[k0 + block_N, 0], k_nxt)
-            if scaled and not ks_global:
-                T.async_copy(KS[k0 + block_N], ks_nxt)
-        full = full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi)
-        if banks == 1:
-            T.gemm(k_cur, qa, sa, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-            args = (sa.data, T.access_ptr(wa, "r"), ks_ptr(KS, ks_cur, k0), T.access_ptr(Logits[q0, k0], "w"),
-                    seq_k, T.access_ptr(Starts[q0], "r"), T.access_ptr(Ends[q0], "r"), k0)
-            if full:
-                T.call_extern("handle", fn + ", true" + kg, *args)
-            else:
-                T.call_extern("handle", fn + ", false" + kg, *args)
-        else:
-            banked_epilogues(K, KS, W, Starts, Ends, Logits, q0, k0, full, qa, qb, k_cur, ks_cur, sa, sb, wa, wb,
-                             d)
 
     @T.prim_func
     def indexer_logits(
@@ -361,6 +259,19 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
                 T.import_source(_EPILOGUE_CUDA)
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
+            q_shared = T.alloc_shared([rows, dim], dtype)
+            k_shared = T.alloc_shared([block_N, dim], dtype)
+            if (scaled or epilogue != "tile") and not ks_global:
+                ks_shared = T.alloc_shared([block_N], accum)
+            s = T.alloc_fragment([block_N, rows], accum)
+            if epilogue == "tile":
+                s3 = T.reshape(s, (block_N, block_Q, heads))
+                logits = T.alloc_fragment([block_N, block_Q], accum)
+                w = T.alloc_fragment([block_Q, heads], accum)
+            elif epilogue == "lanes":
+                w = T.alloc_local([rows // 4], accum)             # the thread's weights, accumulator order
+            else:
+                w = T.alloc_local([rows // 8], T.uint32)          # the weights' mma B fragments, bf16 pairs
             lo = T.alloc_var(T.int32)
             hi = T.alloc_var(T.int32)
             in_lo = T.alloc_var(T.int32)                     # keys valid for every query of the block
@@ -380,104 +291,47 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             lo = lo // block_N * block_N
             n_tiles = T.max(T.ceildiv(hi - lo, block_N), 0)
 
-            if pipeline == "hand":
-                qa = T.alloc_shared([half, dim], dtype)
-                qb = T.alloc_shared([half, dim], dtype) if banks == 2 else None
-                kb0 = T.alloc_shared([block_N, dim], dtype)
-                kb1 = T.alloc_shared([block_N, dim], dtype)
-                ks0 = T.alloc_shared([block_N], accum) if scaled and not ks_global else None
-                ks1 = T.alloc_shared([block_N], accum) if scaled and not ks_global else None
-                sa = T.alloc_fragment([block_N, half], accum)
-                sb = T.alloc_fragment([block_N, half], accum) if banks == 2 else None
-                if epilogue == "lanes":
-                    wa = T.alloc_local([half // 4], accum)
-                    wb = T.alloc_local([half // 4], accum) if banks == 2 else None
-                else:
-                    wa = T.alloc_local([half // 8], T.uint32)
-                    wb = T.alloc_local([half // 8], T.uint32) if banks == 2 else None
-                d = T.alloc_local([8], accum) if banks == 2 else None   # "mma": the halves' [16 keys, 8 queries]
-
-                T.copy(Q[q0 * heads, 0], qa)
-                if banks == 2:
-                    T.copy(Q[q0 * heads + half, 0], qb)
-                if epilogue == "lanes":
-                    T.call_extern("handle", f"dsa_logits::load_w<{half}>", T.access_ptr(wa, "w"),
-                                  T.access_ptr(W[q0, 0], "r"))
-                    if banks == 2:
-                        T.call_extern("handle", f"dsa_logits::load_w<{half}>", T.access_ptr(wb, "w"),
-                                      T.access_ptr(W[q0 + QH, 0], "r"))
-                else:
-                    T.call_extern("handle", f"dsa_logits::load_wb<{half}, {heads}, 0>", T.access_ptr(wa, "w"),
-                                  T.access_ptr(W[q0, 0], "r"))
-                    if banks == 2:
-                        T.call_extern("handle", f"dsa_logits::load_wb<{half}, {heads}, {QH}>",
-                                      T.access_ptr(wb, "w"), T.access_ptr(W[q0 + QH, 0], "r"))
-                if n_tiles > 0:
-                    T.async_copy(K[lo, 0], kb0)
-                    if scaled and not ks_global:
-                        T.async_copy(KS[lo], ks0)
-                for p in T.serial(T.ceildiv(n_tiles, 2)):
-                    hand_tile(Q, K, KS, W, Starts, Ends, Logits, q0, 2 * p, lo, n_tiles, in_lo, in_hi, qa, qb,
-                              kb0, ks0, kb1, ks1, sa, sb, wa, wb, d)
-                    if 2 * p + 1 < n_tiles:
-                        hand_tile(Q, K, KS, W, Starts, Ends, Logits, q0, 2 * p + 1, lo, n_tiles, in_lo, in_hi,
-                                  qa, qb, kb1, ks1, kb0, ks0, sa, sb, wa, wb, d)
+            T.copy(Q[q0 * heads, 0], q_shared)
+            if epilogue == "tile":
+                T.copy(W[q0, 0], w)
+            elif epilogue == "lanes":
+                T.call_extern("handle", f"dsa_logits::load_w<{rows}>", T.access_ptr(w, "w"),
+                              T.access_ptr(W[q0, 0], "r"))
             else:
-                q_shared = T.alloc_shared([rows, dim], dtype)
-                k_shared = T.alloc_shared([block_N, dim], dtype)
-                if (scaled or epilogue != "tile") and not ks_global:
-                    ks_shared = T.alloc_shared([block_N], accum)
-                s = T.alloc_fragment([block_N, rows], accum)
-                if epilogue == "tile":
-                    s3 = T.reshape(s, (block_N, block_Q, heads))
-                    logits = T.alloc_fragment([block_N, block_Q], accum)
-                    w = T.alloc_fragment([block_Q, heads], accum)
-                elif epilogue == "lanes":
-                    w = T.alloc_local([rows // 4], accum)             # the thread's weights, accumulator order
-                else:
-                    w = T.alloc_local([rows // 8], T.uint32)          # the weights' mma B fragments, bf16 pairs
-
-                T.copy(Q[q0 * heads, 0], q_shared)
-                if epilogue == "tile":
-                    T.copy(W[q0, 0], w)
-                elif epilogue == "lanes":
-                    T.call_extern("handle", f"dsa_logits::load_w<{rows}>", T.access_ptr(w, "w"),
-                                  T.access_ptr(W[q0, 0], "r"))
-                else:
-                    T.call_extern("handle", f"dsa_logits::load_wb<{rows}, {heads}>", T.access_ptr(w, "w"),
-                                  T.access_ptr(W[q0, 0], "r"))
-                for t in T.Pipelined(n_tiles, num_stages=num_stages):
-                    k0 = lo + t * block_N
-                    T.copy(K[k0, 0], k_shared)
-                    if scaled and not ks_global:
-                        T.copy(KS[k0], ks_shared)
-                    T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
-                           policy=T.GemmWarpPolicy.FullCol)
-                    if epilogue != "tile":
-                        # s.data, not an access_ptr: TileLang would then infer a replicated layout for s
-                        args = (s.data, T.access_ptr(w, "r"),
-                                T.access_ptr(KS[k0], "r") if ks_global else T.access_ptr(ks_shared, "r"),
-                                T.access_ptr(Logits[q0, k0], "w"), seq_k, T.access_ptr(Starts[q0], "r"),
-                                T.access_ptr(Ends[q0], "r"), k0)
-                        if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
-                            T.call_extern("handle", fn + ", true" + kg, *args)
-                        else:
-                            T.call_extern("handle", fn + ", false" + kg, *args)
+                T.call_extern("handle", f"dsa_logits::load_wb<{rows}, {heads}>", T.access_ptr(w, "w"),
+                              T.access_ptr(W[q0, 0], "r"))
+            for t in T.Pipelined(n_tiles, num_stages=num_stages):
+                k0 = lo + t * block_N
+                T.copy(K[k0, 0], k_shared)
+                if scaled and not ks_global:
+                    T.copy(KS[k0], ks_shared)
+                T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                if epilogue != "tile":
+                    # s.data, not an access_ptr: TileLang would then infer a replicated layout for s
+                    args = (s.data, T.access_ptr(w, "r"),
+                            T.access_ptr(KS[k0], "r") if ks_global else T.access_ptr(ks_shared, "r"),
+                            T.access_ptr(Logits[q0, k0], "w"), seq_k, T.access_ptr(Starts[q0], "r"),
+                            T.access_ptr(Ends[q0], "r"), k0)
+                    if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
+                        T.call_extern("handle", fn + ", true" + kg, *args)
                     else:
-                        for n, i, h in T.Parallel(block_N, block_Q, heads):
-                            s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
-                        T.reduce_sum(s3, logits, dim=-1, clear=True)
-                        if scaled:
-                            for n, i in T.Parallel(block_N, block_Q):
-                                logits[n, i] = logits[n, i] * ks_shared[n]
-                        if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
-                            for i, n in T.Parallel(block_Q, block_N):
-                                Logits[q0 + i, k0 + n] = logits[n, i]
-                        else:
-                            for i, n in T.Parallel(block_Q, block_N):
-                                Logits[q0 + i, k0 + n] = T.if_then_else(
-                                    (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
-                                    -T.infinity(accum))
+                        T.call_extern("handle", fn + ", false" + kg, *args)
+                else:
+                    for n, i, h in T.Parallel(block_N, block_Q, heads):
+                        s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
+                    T.reduce_sum(s3, logits, dim=-1, clear=True)
+                    if scaled:
+                        for n, i in T.Parallel(block_N, block_Q):
+                            logits[n, i] = logits[n, i] * ks_shared[n]
+                    if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
+                        for i, n in T.Parallel(block_Q, block_N):
+                            Logits[q0 + i, k0 + n] = logits[n, i]
+                    else:
+                        for i, n in T.Parallel(block_Q, block_N):
+                            Logits[q0 + i, k0 + n] = T.if_then_else(
+                                (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
+                                -T.infinity(accum))
 
     return indexer_logits
 
@@ -1242,10 +1096,6 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
                                            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
     if unchecked:
         configs[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
-    if tunables.get("pipeline", "tilelang") == "hand":
-        # its barriers are written out (one a tile); TileLang's would add two more, not knowing that the copy of
-        # the next tile and the GEMMs of this one use different buffers
-        configs[tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
     if not warp_specialized and tunables.get("num_stages", 2) > 1:
         # the software pipeline's drain is an unrolled loop whose cp.async wait counts depend on the trip;
         # TileLang 0.1.15 keeps it a loop (`#pragma unroll`) and then fails to print the non-constant count
@@ -1282,16 +1132,22 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # 18.80 ms alone against 19.30 (bench_kernels_sweep_run24_h200.json), but in the op, round-robin beside it, slower:
 # 26.28 / 101.95 ms at 64K / 128K against 25.78 / 97.71 (bench_kernels_topk_run27_h200.json), so it stays off; a
 # two- or three-stage cp.async pipeline of the key tiles (``num_stages`` 2 / 3, which TileLang 0.1.15 builds only
-# with the drain unrolled, :func:`compile_indexer_logits`) 20.76 / 20.75 against 19.31 (run21).
+# with the drain unrolled, :func:`compile_indexer_logits`) 20.76 / 20.75 against 19.31 (run21). Then (ninth session,
+# FP8, ms at 32K / 64K, each beside the default in one run; the same logits bit for bit, GPU-tested; dropped, the code
+# is in commit 71ca1f0): the key tiles double-buffered by hand, tile t + 1's cp.async issued as tile t starts, one
+# barrier a tile instead of TileLang's four: 5.06 / 21.29 against 4.49 / 19.50 (111 registers; with registers for 5
+# CTAs per SM 4.85 / 20.67); and with it the block's queries in two wgmma chains of N = 64 (the first half's epilogue
+# under the second half's MMAs): 5.36 / 22.21 against 4.45 / 19.09 (bench_kernels_sweep_run31/33_h200.json). Nsight
+# Compute at 32K (ncu_logits_banks_32k_h200.txt, ncu_logits_hand_32k_h200.txt): the tensor pipe 51-56% busy against
+# 62%, more instructions issued (IPC 1.49-1.65 against 1.45 over a longer kernel); two N = 64 chains read the key tile
+# from shared memory twice a tile (40 KB of operand and copy traffic a tile against 32 KB).
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False,
-                   "pipeline": "tilelang", "banks": 1}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False}
 
 
 # the logits kernel without the op's store and register options and with TileLang's own epilogue: what the
 # options must not change and what the register epilogues are checked against (the GPU tests)
-PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile", "ks_global": False,
-                "pipeline": "tilelang", "banks": 1}
+PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile", "ks_global": False}
 
 
 def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str):
@@ -1368,11 +1224,6 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
         "indexer_logits_fp8_plain[h32,d128]": lambda: compile_indexer_logits.__wrapped__(    # the tests' baseline
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | PLAIN_LOGITS)),
-        "indexer_logits_fp8_hand[h32,d128]": lambda: compile_indexer_logits.__wrapped__(     # the tiles by hand
-            32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | {"pipeline": "hand"})),
-        "indexer_logits_fp8_banks[h32,d128]": lambda: compile_indexer_logits.__wrapped__(    # two wgmma chains
-            32, 128, target_arch, torch.float8_e4m3fn,
-            **({"block_Q": 4} | LOGITS_TUNABLES | {"pipeline": "hand", "banks": 2})),
         "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
         "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
             2048, target_arch, **SELECT_TUNABLES),
@@ -1401,39 +1252,11 @@ BLOCK_N = 128
 # ends, so a causal range packs twice the rows: half the launches in the same memory, for one read-back of the
 # ends) were slower, 27.48 / 103.7 ms against 26.43 / 99.21, in their logits kernels (78.3 against 74.0 ms at
 # 128K), and so were the kernels taking the longest causal rows first (bench_kernels_topk_run28/29_h200.json);
-# both were dropped.
-#
-# ``rows``: query rows a chunk. 0: as many as LOGITS_BUDGET_BYTES holds. "waves": the most that hold whole waves of
-# both kernels (:func:`chunk_rows`). An int: that many (rounded to the logits kernel's query block).
-LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0, "rows": 0}
-
-
-def chunk_rows(S: int, budget_rows: int, block_Q: int, sms: int, logits_ctas: int, select_ctas: int,
-               rows=0) -> int:
-    """Query rows of the op's chunks, a multiple of ``block_Q``, at most ``budget_rows`` (the rows the logits
-    buffer holds) unless ``rows`` names more, and never more than S needs.
-
-    ``rows="waves"``: each chunk launches the logits kernel (one CTA per ``block_Q`` rows, ``logits_ctas`` per SM)
-    and then the select (one CTA per row, ``select_ctas`` per SM); a launch whose CTAs are not a whole number of
-    waves over the ``sms`` multiprocessors leaves SMs idle while its last wave runs, once per chunk. The chunk is
-    the largest multiple of both kernels' wave (in rows) within the budget, else the largest multiple of the
-    select's wave (whose rows the budget holds most of), else the budget."""
-    cap = max(block_Q, budget_rows // block_Q * block_Q)
-    if rows == "waves":
-        logits_wave, select_wave = block_Q * sms * logits_ctas, sms * select_ctas
-        both = math.lcm(logits_wave, select_wave)
-        for unit in (both, math.lcm(select_wave, block_Q)):
-            if cap >= unit:
-                cap = cap // unit * unit
-                break
-    elif rows:
-        cap = max(block_Q, round_up(int(rows), block_Q))
-    return min(cap, round_up(S, block_Q))
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+# both were dropped. So were (ninth session, bench_kernels_topk_run32_h200.json, same run, ms at 64K / 128K) chunks
+# of whole SM waves of both kernels (rows a multiple of 4 x 132 x 4 logits CTAs and 132 x 3 select CTAs: 6336 / 3960
+# rows): 26.61 / 104.42 against 25.78 / 101.39, and with registers for 3 logits CTAs per SM (7920 / 3168 rows): 26.19
+# / 98.26; the 4 GiB buffer beside them 24.92 / 97.60.
+LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0}
 
 
 @functools.cache
@@ -1473,14 +1296,13 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     starts = starts.clamp(0, Sk).contiguous()
     ends = ends.clamp(0, Sk).contiguous()
 
-    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    chunk = chunk_rows(S, LOGITS_BUDGET_BYTES // (Skp * 4), block_Q, _sm_count(dev_index),
-                       LOGITS_TUNABLES["min_blocks"], SELECT_TUNABLES.get("min_blocks", 1),
-                       LAUNCH_TUNABLES.get("rows", 0))
+    chunk = max(block_Q, (LOGITS_BUDGET_BYTES // (Skp * 4)) // block_Q * block_Q)
+    chunk = min(chunk, round_up(S, block_Q))
     n_buf = max(1, min(int(LAUNCH_TUNABLES["buffers"]), -(-S // chunk)))
     bufs = [torch.empty(chunk, Skp, dtype=torch.float32, device=dev) for _ in range(n_buf)]
     main = torch.cuda.current_stream(dev)
-    side = _side_stream(dev_index, int(LAUNCH_TUNABLES["select_priority"])) if n_buf > 1 else None
+    side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device(),
+                        int(LAUNCH_TUNABLES["select_priority"])) if n_buf > 1 else None
     freed = [None] * n_buf          # per buffer: the event after the select that last read it
     held = []                       # the side stream's inputs, alive until it is joined
     for c, c0 in enumerate(range(0, S, chunk)):
