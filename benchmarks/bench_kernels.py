@@ -442,14 +442,20 @@ def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), sele
                       "wall_s": round(time.time() - t0, 1)}), flush=True)
 
 
+def fp8_inputs(S):
+    """:func:`topk_inputs` as the FP8 op takes them: (q8, k8, w8, k_scale, starts, ends, the weights with the op's
+    1/sqrt(128) folded in, as its logits kernel reads them)."""
+    q, k, w, starts, ends = topk_inputs(S)
+    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    return q8, k8, w8, ks, starts, ends, (w8.float() * 128 ** -0.5).contiguous()
+
+
 def host_time(S, topk, calls=4):
     """The FP8 op's host side at S: per call, ms until it returns (every launch queued) and until the GPU is done,
     each call from an idle GPU; and the ms of a TileLang launch of each kernel on 64 rows (the GPU idle)."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
-    q, k, w, starts, ends = topk_inputs(S)
-    q8, k8, w8, ks = quantize_indexer(q, k, w)
-    scale = 128 ** -0.5
-    op = lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)          # noqa: E731
+    q8, k8, w8, ks, starts, ends, wq = fp8_inputs(S)
+    op = lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, 128 ** -0.5, ks)     # noqa: E731
     op()
     row = {"S": S, "returns_ms": [], "done_ms": []}
     for _ in range(calls):
@@ -464,7 +470,6 @@ def host_time(S, topk, calls=4):
     lk, sk = tl.logits_kernel(32, 128, q8.dtype, arch), tl.select_kernel(topk, arch)
     buf = torch.empty(64, S, dtype=torch.float32, device="cuda")
     out = torch.empty(64, topk, dtype=torch.int32, device="cuda")
-    wq = (w8.float() * scale).contiguous()
     launches = {"logits": lambda: lk(q8[:64].reshape(64 * 32, 128), k8, ks, wq[:64], starts[:64], ends[:64], buf),
                 "select": lambda: sk(buf, starts[:64], ends[:64], out)}
     for name, fn in launches.items():
@@ -482,14 +487,12 @@ def logits_once(S, names):
     """One launch of the FP8 logits kernel at S for each LOGITS_SWEEP name (for a profiler: ncu --kernel-name
     indexer_logits_kernel python3 benchmarks/bench_kernels.py --logits-once S:name,...)."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
-    q, k, w, starts, ends = topk_inputs(S)
-    q8, k8, w8, ks = quantize_indexer(q, k, w)
+    q8, k8, _, ks, starts, ends, wq = fp8_inputs(S)
     out = torch.empty(S, S, dtype=torch.float32, device="cuda")
-    ww = (w8.float() * 128 ** -0.5).contiguous()
     for name in names:
         lk = tl.compile_indexer_logits(32, 128, tl.cuda_target()["arch"], torch.float8_e4m3fn,
                                        **({"block_Q": 4} | tl.LOGITS_TUNABLES | LOGITS_SWEEP[name]))
-        lk(q8.view(S * 32, 128), k8, ks.float(), ww, starts, ends, out)
+        lk(q8.view(S * 32, 128), k8, ks, wq, starts, ends, out)
         torch.cuda.synchronize()
 
 
