@@ -285,6 +285,11 @@ LOGITS_SWEEP = {
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
     "checked": {"unchecked": False},                  # the safe-memory pass's bounds tests
     "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
+    "rs": {"epilogue": "rs"},                         # q the wgmma's register operand, fp32 head sums
+    "rs_bf16": {"epilogue": "rs_bf16"},               # ... the 4 heads a thread holds summed in bf16x2
+    "rs_s2": {"epilogue": "rs", "num_stages": 2},      # ... two key tiles in flight (q's tile no longer resident)
+    "mma_pairs": {"epilogue": "mma_pairs"},           # "mma", every lane its own query's two adjacent keys
+    "mma_pairs_min5": {"epilogue": "mma_pairs", "min_blocks": 5},  # ... 96 registers (12 B spilled): 5 CTAs an SM
     "sixth_session": SIXTH_SESSION_LOGITS,            # before issue 13's sixth session: TileLang's epilogue
     "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
 }
@@ -302,6 +307,10 @@ OP_SWEEP = {
     "serial_4g": {"budget": 4 << 30},                        # one full-width 4 GiB buffer: half the launches
     "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
     "l3": {"logits": {"min_blocks": 3}},                     # the logits kernel's registers for 3 CTAs per SM
+    "rs": {"logits": {"epilogue": "rs"}},                    # q the logits wgmma's register operand
+    "rs_bf16": {"logits": {"epilogue": "rs_bf16"}},
+    "mma_pairs": {"logits": {"epilogue": "mma_pairs"}},      # one 8-byte store a lane and tile
+    "mma_pairs_min5": {"logits": {"epilogue": "mma_pairs", "min_blocks": 5}},
 }
 
 
