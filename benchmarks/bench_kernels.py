@@ -240,19 +240,21 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
     return row, ids
 
 
-# The top-k op as it ran before issue 13's eighth H200 session (2026-12-02), timed beside today's (pinned, so that
+# The top-k op as it ran before issue 13's tenth H200 session (2026-12-02), timed beside today's (pinned, so that
 # the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): its chunks in order on
-# one stream, one logits buffer, the sampled rows' candidates through radix rounds. Each pinned dict
-# names every key of today's (a test checks): the sweeps merge them into today's tunables, where a key left out
-# would take today's value. The seventh session's own start: its select with one vector a thread in flight.
+# one stream, one logits buffer, the logits kernel's "mma" epilogue. Each pinned dict names every key of today's
+# (a test checks): the sweeps merge them into today's tunables, where a key left out would take today's value.
+# The seventh session's own start: its select with one vector a thread in flight; the eighth's: the sampled rows'
+# candidates through radix rounds (EIGHTH_SESSION_SELECT).
 SEVENTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
                           "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma",
                           "ks_global": False}
 SEVENTH_SESSION_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
                           "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
                           "min_blocks": 3, "direct_rank": False}
-PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                          # the seventh session left the logits kernel as is
-PREVIOUS_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
+PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                 # the seventh, eighth and ninth sessions left it as is
+EIGHTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
+PREVIOUS_SELECT = EIGHTH_SESSION_SELECT | {"direct_rank": True}
 PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
 # ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
 SIXTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"epilogue": "tile"}
@@ -285,11 +287,7 @@ LOGITS_SWEEP = {
     "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
     "checked": {"unchecked": False},                  # the safe-memory pass's bounds tests
     "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
-    "rs": {"epilogue": "rs"},                         # q the wgmma's register operand, fp32 head sums
-    "rs_bf16": {"epilogue": "rs_bf16"},               # ... the 4 heads a thread holds summed in bf16x2
-    "rs_s2": {"epilogue": "rs", "num_stages": 2},      # ... two key tiles in flight (q's tile no longer resident)
-    "mma_pairs": {"epilogue": "mma_pairs"},           # "mma", every lane its own query's two adjacent keys
-    "mma_pairs_min5": {"epilogue": "mma_pairs", "min_blocks": 5},  # ... 96 registers (12 B spilled): 5 CTAs an SM
+    "mma_epilogue": {"epilogue": "mma"},              # until the tenth session: four 4-byte stores on half the lanes
     "sixth_session": SIXTH_SESSION_LOGITS,            # before issue 13's sixth session: TileLang's epilogue
     "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
 }
@@ -297,7 +295,7 @@ LOGITS_SWEEP = {
 
 # The FP8 op's variants timed round-robin beside its default (--op-configs): name -> overrides of LAUNCH_TUNABLES
 # ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits"), SELECT_TUNABLES ("select");
-# "session_start" pins the whole of PREVIOUS_* (today: the select's rounds on the sampled candidates).
+# "session_start" pins the whole of PREVIOUS_* (today: the logits kernel's "mma" epilogue).
 OP_SWEEP = {
     "session_start": {"launch": PREVIOUS_LAUNCH, "logits": PREVIOUS_LOGITS, "select": PREVIOUS_SELECT},
     "rounds": {"select": {"direct_rank": False}},             # the sampled rows' candidates through radix rounds
@@ -307,10 +305,6 @@ OP_SWEEP = {
     "serial_4g": {"budget": 4 << 30},                        # one full-width 4 GiB buffer: half the launches
     "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
     "l3": {"logits": {"min_blocks": 3}},                     # the logits kernel's registers for 3 CTAs per SM
-    "rs": {"logits": {"epilogue": "rs"}},                    # q the logits wgmma's register operand
-    "rs_bf16": {"logits": {"epilogue": "rs_bf16"}},
-    "mma_pairs": {"logits": {"epilogue": "mma_pairs"}},      # one 8-byte store a lane and tile
-    "mma_pairs_min5": {"logits": {"epilogue": "mma_pairs", "min_blocks": 5}},
 }
 
 

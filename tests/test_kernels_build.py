@@ -42,3 +42,14 @@ def test_kernel_builds_for_sm90a(built, name):
     assert "__global__" in src, f"{name}: no CUDA kernel in the generated source"
     if "logits" in name or "sparse_mla" in name:
         assert "wgmma" in src or "mma" in src, f"{name}: no tensor-core instruction in the source"
+
+
+def test_op_logits_kernel_calls_its_epilogue(built):
+    """The FP8 logits build at the indexer's 32 heads calls the op's register epilogue (LOGITS_TUNABLES), and the
+    64-head build the one "mma_pairs" falls back to (it takes 4 queries of 32 heads a block)."""
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+    h32, h64 = built["indexer_logits_fp8[h32,d128]"], built["indexer_logits_fp8[h64,d128]"]
+    if isinstance(h32, Exception) or isinstance(h64, Exception):
+        pytest.skip("a build failed (reported by test_kernel_builds_for_sm90a)")
+    assert f"dsa_logits::{tl.LOGITS_TUNABLES['epilogue']}<" in h32       # a call: the definitions are unqualified
+    assert "dsa_logits::mma<2, 64, true, true>(" in h64 and "dsa_logits::mma_pairs<" not in h64

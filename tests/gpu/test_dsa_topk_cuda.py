@@ -20,9 +20,8 @@ SCORE_TOL = 1e-4  # relative to the row's score scale
 FP8_SCORE_TOL = 2.0 ** -9
 # |register epilogue - TileLang's| <= tol * sum_h |w_h| relu(q_h . k) * ks: "lanes" reorders fp32 sums; "mma"
 # rounds each ReLU'd product and each weight to bf16 (2^-9 relative each) before its fp32 tensor-core sum
-# "rs" sums fp32 products in another order, like "lanes"; "rs_bf16" rounds each product and weight to bf16 and sums a
-# thread's 4 heads in bf16 (three more roundings of a partial sum) before the fp32 butterfly
-EPILOGUE_TOL = {"lanes": 2.0 ** -18, "mma": 2.0 ** -7, "mma_pairs": 2.0 ** -7, "rs": 2.0 ** -18, "rs_bf16": 2.0 ** -6}
+# ("mma_pairs": the same roundings, its fp32 sums in another order)
+EPILOGUE_TOL = {"lanes": 2.0 ** -18, "mma": 2.0 ** -7, "mma_pairs": 2.0 ** -7}
 
 
 def _inputs(S, H, D, packed=False, seed=0, Sk=None):
@@ -179,12 +178,12 @@ def test_overlapped_chunks_capture_in_a_cuda_graph():
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("epilogue", sorted({tl_ops.LOGITS_TUNABLES["epilogue"], "rs", "rs_bf16", "mma_pairs"}))
+@pytest.mark.parametrize("epilogue", sorted({tl_ops.LOGITS_TUNABLES["epilogue"], "mma"}))
 @pytest.mark.parametrize("S,topk,packed", [(700, 64, False), (2500, 2048, True)])
 def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed, epilogue):
     """The e4m3 logits kernel (same op, ``quantize_indexer`` inputs) against its own math (the dequantised
     scores): a correct top-k up to ties; against the bf16 kernel: overlapping sets (reported, >= 0.9). With the
-    op's epilogue and each register-operand one."""
+    op's epilogue and "mma" (the FP8 builds' other than 32 heads)."""
     with mock.patch.object(tl_ops, "LOGITS_TUNABLES", tl_ops.LOGITS_TUNABLES | {"epilogue": epilogue}):
         _fp8_logits_kernel_matches_the_fp8_reference(S, topk, packed)
 
@@ -306,7 +305,7 @@ def _run_logits(H, dtype, tunables, inputs):
 
 @pytest.mark.parametrize("over", [{}, {"min_blocks": 5}, {"full_tiles": False}, {"unchecked": False},
                                   {"ks_global": True}])
-@pytest.mark.parametrize("epilogue", sorted({"tile", "rs", "rs_bf16", "mma_pairs", tl_ops.LOGITS_TUNABLES["epilogue"]}))
+@pytest.mark.parametrize("epilogue", sorted({"tile", "mma", tl_ops.LOGITS_TUNABLES["epilogue"]}))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_logits_kernel_register_bound_writes_the_same_logits(dtype, epilogue, over):
     """With each epilogue, the op's logits tiles (``over``: one of its store or register options taken back, or
@@ -324,7 +323,7 @@ def test_logits_kernel_register_bound_writes_the_same_logits(dtype, epilogue, ov
 
 
 @pytest.mark.parametrize("H", [16, 32, 64])
-@pytest.mark.parametrize("epilogue", ["lanes", "mma", "mma_pairs", "rs", "rs_bf16"])
+@pytest.mark.parametrize("epilogue", ["lanes", "mma", "mma_pairs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_register_epilogues_match_tilelang_epilogue(dtype, epilogue, H):
     """The register epilogues (the CUDA functions on the wgmma accumulator's layout) give TileLang's logits
@@ -344,8 +343,8 @@ def test_register_epilogues_match_tilelang_epilogue(dtype, epilogue, H):
     assert bool(torch.isneginf(got[written & ~valid]).all()), "a key outside the range is not -inf"
     assert bool(torch.isfinite(got[valid]).all())
     bound = ref_dsa_scores(qq.view(S, H, 128).float(), kp.float(), ww.abs(), starts, ends, 1.0) * ksp
-    if epilogue in ("rs", "rs_bf16", "mma_pairs") and (H != 32 or dtype == torch.bfloat16):
-        epilogue = "mma"                        # the builds these take back (4 queries of 32 FP8 heads a block)
+    if epilogue == "mma_pairs" and (H != 32 or dtype == torch.bfloat16):
+        epilogue = "mma"                        # the builds it takes back (4 queries of 32 FP8 heads a block)
     tol = EPILOGUE_TOL["lanes" if dtype == torch.bfloat16 else epilogue]
     err = (got - want).abs()[valid]
     assert bool((err <= tol * bound[valid] + 1e-30).all()), f"max err / bound {float((err / bound[valid]).max())}"

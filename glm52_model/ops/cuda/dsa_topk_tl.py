@@ -43,11 +43,11 @@ _INT_MAX = 2147483647
 # --------------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------------
-# The logits kernel's register epilogues (``epilogue="lanes"`` / ``"mma"``), CUDA device functions called on the
-# wgmma accumulator of one 64-key tile. Its layout (one warpgroup, 64 x N, fp32): the thread of warp w, lane
-# 4g + t holds, for each 8-column group j, key rows 16w + g + 8r and GEMM columns 8j + 2t + c at
+# The logits kernel's register epilogues (``epilogue="lanes"`` / ``"mma"`` / ``"mma_pairs"``), CUDA device functions
+# called on the wgmma accumulator of one 64-key tile. Its layout (one warpgroup, 64 x N, fp32): the thread of warp w,
+# lane 4g + t holds, for each 8-column group j, tile rows 16w + g + 8r and GEMM columns 8j + 2t + c at
 # acc[4j + 2r + c] (r, c in {0, 1}), the layout TileLang's own fragment for it reports; GEMM column
-# i * H + h is query i's head h.
+# i * H + h is query i's head h. Tile row n is key n, except with "mma_pairs" (see there).
 _EPILOGUE_CUDA = r"""
 namespace dsa_logits {
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -143,30 +143,26 @@ __device__ __forceinline__ unsigned int relu_bf16x2(float lo, float hi) {
   return d;
 }
 
-// "mma": B fragments (mma.m16n8k16, bf16) of the block-diagonal [N, 8] weights: B[i * H + h, i] = w[i, h]; the
-// lane of group g holds column g, so only query g's k-steps are non-zero
-template <int N, int H>
+// "mma": B fragments (mma.m16n8k16, bf16) of the block-diagonal [N, 8] weights: B[i * H + h, i * P + h / (H / P)] =
+// w[i, h], each query's heads in P columns of H / P ("mma": P = 1; "mma_pairs": P = 2). The lane of group g holds
+// column g, so only that column's k-steps are non-zero.
+template <int N, int H, int P = 1>
 __device__ __forceinline__ void load_wb(unsigned int* b, const float* __restrict__ W) {
   const int g = (threadIdx.x >> 2) & 7, t = threadIdx.x & 3;
   #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
-    const bool mine = (16 * kk) / H == g;
+    const bool mine = (16 * kk) / (H / P) == g;
     const float* wk = W + 16 * kk;
     b[2 * kk] = mine ? bf16x2(wk[2 * t], wk[2 * t + 1]) : 0u;
     b[2 * kk + 1] = mine ? bf16x2(wk[2 * t + 8], wk[2 * t + 9]) : 0u;
   }
 }
 
-// "mma": relu(acc) rounded to bf16 in the accumulator's own registers is the A fragment of mma.m16n8k16 (the
-// warp's 16 key rows x 16 GEMM columns a k-step), times the weights' B: each warp's [16 keys, 8 queries]
-// logits in fp32, two independent accumulation chains. The lane 4g + t gets keys g, g + 8 for queries 2t, 2t + 1.
-template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
-__device__ __forceinline__ void mma(const float* acc, const unsigned int* b, const float* ks, float* __restrict__ out,
-                                    long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
-                                    int k0) {
-  constexpr int N = QB * H;
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+// relu(acc) rounded to bf16 in the accumulator's own registers is the A fragment of mma.m16n8k16 (the warp's 16
+// key rows x 16 GEMM columns a k-step), times the weights' B: each warp's [16 keys, 8 columns] sums in fp32, two
+// independent accumulation chains d[0], d[1]. The lane 4g + t gets key rows g, g + 8 of columns 2t, 2t + 1.
+template <int N>
+__device__ __forceinline__ void head_sum(const float* acc, const unsigned int* b, float (&d)[2][4]) {
   #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
     const float* x = acc + 8 * kk;   // column groups 2kk, 2kk + 1
@@ -179,6 +175,16 @@ __device__ __forceinline__ void mma(const float* acc, const unsigned int* b, con
         : "+f"(e[0]), "+f"(e[1]), "+f"(e[2]), "+f"(e[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b[2 * kk]), "r"(b[2 * kk + 1]));
   }
+}
+
+// "mma": the head sum with one column a query: the lane 4g + t gets keys g, g + 8 for queries 2t, 2t + 1.
+template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
+__device__ __forceinline__ void mma(const float* acc, const unsigned int* b, const float* ks, float* __restrict__ out,
+                                    long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
+                                    int k0) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  head_sum<QB * H>(acc, b, d);
   const int g = lane >> 2, t = lane & 3;
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -192,124 +198,17 @@ __device__ __forceinline__ void mma(const float* acc, const unsigned int* b, con
   }
 }
 
-// "rs" / "rs_bf16": q as the wgmma's register operand (A), the key tile the only shared-memory one (B). The
-// accumulator is [128 q rows, 64 keys] in two m64 blocks: acc[32b + 4j + 2r + c] holds row 64b + 16w + 8r + g,
-// key 8j + 2t + c (warp w, lane 4g + t). The kernel loads q's rows permuted so that this row is query w's head
-// 16b + 8r + g: each warp holds one query's 32 heads, each thread 4 of them for 16 keys.
-// The thread's weights: w[2b + r] = W[w, 16b + 8r + g].
-__device__ __forceinline__ void load_w_rs(float* w, const float* __restrict__ W) {
-  const int g = (threadIdx.x >> 2) & 7, warp = (threadIdx.x >> 5) & 3;
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = W[warp * 32 + 16 * (i >> 1) + 8 * (i & 1) + g];
-}
-
-__device__ __forceinline__ unsigned int fma_bf16x2(unsigned int a, unsigned int b, unsigned int c) {
-  unsigned int d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-// one step of the butterfly: the lanes 2 * HALF apart exchange halves of their first 2 * HALF sums
-template <int HALF>
-__device__ __forceinline__ void fold(float* v, int lane) {
-  const bool hi = (lane & (2 * HALF)) != 0;
-  #pragma unroll
-  for (int u = 0; u < HALF; ++u) {
-    const float keep = hi ? v[u + HALF] : v[u];
-    const float send = hi ? v[u] : v[u + HALF];
-    v[u] = keep + __shfl_xor_sync(0xffffffffu, send, 2 * HALF);
-  }
-}
-
-// The 4-head sums v[2j + c] (key 8j + 2t + c), then a reduce-scatter butterfly over the 8 lanes of a column
-// (lane bits 4, 3, 2): each step sends the half of its sums the partner keeps and adds the half it keeps, so lane
-// 4g + t ends with keys 8g + 2t and 8g + 2t + 1 of query w, one 8-byte store (a warp: 64 contiguous keys).
-// BF16: the ReLU'd products rounded to bf16 and summed over the 4 heads in bf16x2 pairs (cvt.relu, fma), the
-// butterfly in fp32; else fp32 throughout.
-template <bool SCALED, bool FULL, bool BF16>
-__device__ __forceinline__ void rs(const float* acc, const float* w, const float* ks, float* __restrict__ out,
-                                   long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
-                                   int k0) {
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
-  float v[16];
-  if (BF16) {
-    unsigned int wb[4];
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) wb[i] = bf16x2(w[i], w[i]);
-    #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      unsigned int h = fma_bf16x2(relu_bf16x2(acc[4 * j], acc[4 * j + 1]), wb[0], 0x80008000u);
-      h = fma_bf16x2(relu_bf16x2(acc[4 * j + 2], acc[4 * j + 3]), wb[1], h);
-      h = fma_bf16x2(relu_bf16x2(acc[32 + 4 * j], acc[33 + 4 * j]), wb[2], h);
-      h = fma_bf16x2(relu_bf16x2(acc[34 + 4 * j], acc[35 + 4 * j]), wb[3], h);
-      v[2 * j] = __uint_as_float(h << 16);
-      v[2 * j + 1] = __uint_as_float(h & 0xffff0000u);
-    }
-  } else {
-    #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float a = fmaxf(acc[4 * j + c], 0.f) * w[0];
-        a = fmaf(fmaxf(acc[4 * j + 2 + c], 0.f), w[1], a);
-        a = fmaf(fmaxf(acc[32 + 4 * j + c], 0.f), w[2], a);
-        v[2 * j + c] = fmaf(fmaxf(acc[34 + 4 * j + c], 0.f), w[3], a);
-      }
-    }
-  }
-  fold<8>(v, lane);
-  fold<4>(v, lane);
-  fold<2>(v, lane);
-  const int nk = 8 * g + 2 * t;
-  float2 x = make_float2(v[0], v[1]);
-  if (SCALED) {
-    const float2 s2 = *reinterpret_cast<const float2*>(ks + nk);
-    x.x *= s2.x;
-    x.y *= s2.y;
-  }
-  if (!FULL) {
-    const int key = k0 + nk, lo = starts[warp], end = ends[warp];
-    if (key < lo || key >= end) x.x = neg_inf();
-    if (key + 1 < lo || key + 1 >= end) x.y = neg_inf();
-  }
-  *reinterpret_cast<float2*>(out + warp * seq_k + nk) = x;
-}
-
-// "mma_pairs" (32 heads, 4 queries a block): "mma" with the weights' 8 columns as (query, half of its heads), so every
-// lane's results are its own query's (lane 4g + t: query t), and the key tile's rows loaded permuted (the kernel's
-// copy: row 16w + g + 8r holds key 16w + 2g + r) so that the lane's two keys are adjacent: one 8-byte store of
-// keys 16w + 2g, 16w + 2g + 1 a tile, and one 8-byte read of their scales.
-template <int H>
-__device__ __forceinline__ void load_wb_pairs(unsigned int* b, const float* __restrict__ W) {
-  const int g = (threadIdx.x >> 2) & 7, t = threadIdx.x & 3;
-  #pragma unroll
-  for (int kk = 0; kk < 4 * H / 16; ++kk) {
-    const bool mine = (16 * kk) / (H / 2) == g;
-    const float* wk = W + 16 * kk;
-    b[2 * kk] = mine ? bf16x2(wk[2 * t], wk[2 * t + 1]) : 0u;
-    b[2 * kk + 1] = mine ? bf16x2(wk[2 * t + 8], wk[2 * t + 9]) : 0u;
-  }
-}
-
+// "mma_pairs" (32 heads, 4 queries a block): the head sum with two columns a query (P = 2, half its heads each), so
+// every lane's sums are its own query's (lane 4g + t: query t), and the key tile's rows loaded permuted (the
+// kernel's copy: row 16w + g + 8r holds key 16w + 2g + r) so that the lane's two keys are adjacent: one 8-byte
+// store of keys 16w + 2g, 16w + 2g + 1 a tile, and one 8-byte read of their scales.
 template <int H, bool SCALED, bool FULL>
 __device__ __forceinline__ void mma_pairs(const float* acc, const unsigned int* b, const float* ks,
                                           float* __restrict__ out, long long seq_k, const int* __restrict__ starts,
                                           const int* __restrict__ ends, int k0) {
-  constexpr int N = 4 * H;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  #pragma unroll
-  for (int kk = 0; kk < N / 16; ++kk) {
-    const float* x = acc + 8 * kk;
-    const unsigned int a0 = relu_bf16x2(x[0], x[1]), a1 = relu_bf16x2(x[2], x[3]);
-    const unsigned int a2 = relu_bf16x2(x[4], x[5]), a3 = relu_bf16x2(x[6], x[7]);
-    float* e = d[kk & 1];
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(e[0]), "+f"(e[1]), "+f"(e[2]), "+f"(e[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b[2 * kk]), "r"(b[2 * kk + 1]));
-  }
+  head_sum<4 * H>(acc, b, d);
   const int g = lane >> 2, t = lane & 3, nk = warp * 16 + 2 * g;
   float2 v = make_float2((d[0][0] + d[1][0]) + (d[0][1] + d[1][1]), (d[0][2] + d[1][2]) + (d[0][3] + d[1][3]));
   if (SCALED) {
@@ -326,7 +225,7 @@ __device__ __forceinline__ void mma_pairs(const float* acc, const unsigned int* 
 }
 }  // namespace dsa_logits
 """
-EPILOGUES = ("tile", "lanes", "mma", "rs", "rs_bf16", "mma_pairs")
+EPILOGUES = ("tile", "lanes", "mma", "mma_pairs")
 
 
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
@@ -352,6 +251,10 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
       bf16 in one ``cvt`` per two products, then the head sum as a second, tiny GEMM on the tensor cores
       (``mma.m16n8k16`` against the block-diagonal weights, which stay in registers), fp32 accumulate. The bf16
       rounding of the products (2^-9 relative) is far below the e4m3 inputs' own (2^-4), not below bf16's.
+    - ``"mma_pairs"`` (FP8, 32 heads, 4 queries a block; other builds take ``"mma"``): the same products and sums,
+      with the small GEMM's 8 columns as (query, half of its heads), so that each lane's results are its own
+      query's, and the key tile's rows loaded permuted, so that a lane's two keys are adjacent: one 8-byte store
+      and one 8-byte read of the scales a lane and tile, where "mma" has four 4-byte ones on half the lanes.
     ``ks_global`` (register epilogues): the keys' FP8 scales read by the epilogue from global memory (L1/L2, two
     per thread and tile) instead of copied to shared memory with each tile (a cp.async group and a barrier less
     per tile).
@@ -369,23 +272,17 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
     # per-element global read of a ones vector cost the bf16 kernel 1.6x on the H200: 4.07 vs 2.57 ms at 16K)
     scaled = in_dtype != T.bfloat16
     assert epilogue in EPILOGUES, f"epilogue must be one of {EPILOGUES}, not {epilogue!r}"
-    rs = epilogue.startswith("rs")
-    if rs and ((heads, block_Q) != (32, 4) or not scaled):   # bf16: q's fragment alone would take 64 registers
-        epilogue, rs = "mma", False
     pairs = epilogue == "mma_pairs"
     if pairs and ((heads, block_Q) != (32, 4) or not scaled):
         epilogue, pairs = "mma", False
     if epilogue == "mma" and (not scaled or heads % 16):
         epilogue = "lanes"
-    ks_global = ks_global and scaled and epilogue != "tile" and not rs
+    ks_global = ks_global and scaled and epilogue != "tile"
     if epilogue != "tile":
         assert threads == 128 and block_N == 64, "the register epilogues take one warpgroup's 64-key tile"
-        if rs:
-            fn = f"dsa_logits::rs<{str(scaled).lower()}"
-            kg = ", true>" if epilogue == "rs_bf16" else ", false>"
-        elif pairs:
-            fn = f"dsa_logits::mma_pairs<{heads}, true"
-            kg = ">"
+        if pairs:
+            fn = f"dsa_logits::mma_pairs<{heads}, {str(scaled).lower()}"
+            kg = ">"      # with ks_global the scales' pointer is into global memory, the same reads
         else:
             fn = f"dsa_logits::{epilogue}<{block_Q}, {heads}, {str(scaled).lower()}"
             kg = ", true>" if ks_global else ">"
@@ -409,19 +306,13 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             k_shared = T.alloc_shared([block_N, dim], dtype)
             if (scaled or epilogue != "tile") and not ks_global:
                 ks_shared = T.alloc_shared([block_N], accum)
-            if rs:
-                q_frag = T.alloc_fragment([rows, dim], dtype)   # the wgmma's A operand, in registers
-                s = T.alloc_fragment([rows, block_N], accum)
-            else:
-                s = T.alloc_fragment([block_N, rows], accum)
+            s = T.alloc_fragment([block_N, rows], accum)
             if epilogue == "tile":
                 s3 = T.reshape(s, (block_N, block_Q, heads))
                 logits = T.alloc_fragment([block_N, block_Q], accum)
                 w = T.alloc_fragment([block_Q, heads], accum)
             elif epilogue == "lanes":
                 w = T.alloc_local([rows // 4], accum)             # the thread's weights, accumulator order
-            elif rs:
-                w = T.alloc_local([4], accum)                     # the thread's 4 heads' weights
             else:
                 w = T.alloc_local([rows // 8], T.uint32)          # the weights' mma B fragments, bf16 pairs
             lo = T.alloc_var(T.int32)
@@ -443,22 +334,14 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             lo = lo // block_N * block_N
             n_tiles = T.max(T.ceildiv(hi - lo, block_N), 0)
 
-            if rs:
-                # row 64b + 16i + m of the GEMM (m < 16) is query i's head 16b + m: one query a warp
-                for m, d in T.Parallel(rows, dim):
-                    q_shared[m, d] = Q[(q0 + (m // 16) % block_Q) * heads + 16 * (m // 64) + m % 16, d]
-                T.copy(q_shared, q_frag)
-            else:
-                T.copy(Q[q0 * heads, 0], q_shared)
+            T.copy(Q[q0 * heads, 0], q_shared)
             if epilogue == "tile":
                 T.copy(W[q0, 0], w)
-            elif rs:
-                T.call_extern("handle", "dsa_logits::load_w_rs", T.access_ptr(w, "w"), T.access_ptr(W[q0, 0], "r"))
             elif epilogue == "lanes":
                 T.call_extern("handle", f"dsa_logits::load_w<{rows}>", T.access_ptr(w, "w"),
                               T.access_ptr(W[q0, 0], "r"))
             elif pairs:
-                T.call_extern("handle", f"dsa_logits::load_wb_pairs<{heads}>", T.access_ptr(w, "w"),
+                T.call_extern("handle", f"dsa_logits::load_wb<{rows}, {heads}, 2>", T.access_ptr(w, "w"),
                               T.access_ptr(W[q0, 0], "r"))
             else:
                 T.call_extern("handle", f"dsa_logits::load_wb<{rows}, {heads}>", T.access_ptr(w, "w"),
@@ -473,12 +356,8 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
                     T.copy(K[k0, 0], k_shared)
                 if scaled and not ks_global:
                     T.copy(KS[k0], ks_shared)
-                if rs:
-                    T.gemm(q_frag, k_shared, s, transpose_B=True, clear_accum=True,
-                           policy=T.GemmWarpPolicy.FullRow)
-                else:
-                    T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
-                           policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullCol)
                 if epilogue != "tile":
                     # s.data, not an access_ptr: TileLang would then infer a replicated layout for s
                     args = (s.data, T.access_ptr(w, "r"),
@@ -1312,9 +1191,20 @@ def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in
 # under the second half's MMAs): 5.36 / 22.21 against 4.45 / 19.09 (bench_kernels_sweep_run31/33_h200.json). Nsight
 # Compute at 32K (ncu_logits_banks_32k_h200.txt, ncu_logits_hand_32k_h200.txt): the tensor pipe 51-56% busy against
 # 62%, more instructions issued (IPC 1.49-1.65 against 1.45 over a longer kernel); two N = 64 chains read the key tile
-# from shared memory twice a tile (40 KB of operand and copy traffic a tile against 32 KB).
+# from shared memory twice a tile (40 KB of operand and copy traffic a tile against 32 KB). Then (tenth session, FP8,
+# ms at 32K / 64K, each beside "mma" in one run): q as the wgmma's register operand, the key tile its only
+# shared-memory operand (a third less operand traffic; the accumulator then holds one query's 32 heads a warp, 4 a
+# thread, summed by a reduce-scatter butterfly over a column's 8 lanes; 128 registers, no spills): 5.07 / 21.72
+# against 4.40 / 19.37 in fp32, 4.52 / 19.89 with a thread's 4 heads summed in bf16x2, 4.93 / 21.29 with two key tiles
+# in flight (bench_kernels_sweep_run36_h200.json; the code is in commit 11509dc, dropped): the butterfly's
+# selects, shuffles and adds cost more than the shared-memory reads they save. "mma_pairs", the same products and
+# sums as "mma" with one 8-byte store and one 8-byte scale read a lane and tile instead of four 4-byte ones on half
+# the lanes (112 registers): 3.81 / 16.74 against 4.43 / 18.90 (1153 / 1051 TFLOP/s), with registers for 5 CTAs per
+# SM (96, 12 B spilled) 3.96 / 17.35 (bench_kernels_sweep_run38_h200.json); the FP8 op 23.29 / 88.05 ms at 64K /
+# 128K against 25.68 / 96.75, the same ID sets (bench_kernels_topk_run38_h200.json).
 LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma", "ks_global": False}
+                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma_pairs",
+                   "ks_global": False}
 
 
 # the logits kernel without the op's store and register options and with TileLang's own epilogue: what the
@@ -1396,6 +1286,8 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
         "indexer_logits_fp8_plain[h32,d128]": lambda: compile_indexer_logits.__wrapped__(    # the tests' baseline
             32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | PLAIN_LOGITS)),
+        "indexer_logits_fp8[h64,d128]": lambda: compile_indexer_logits.__wrapped__(    # "mma_pairs" takes "mma"
+            64, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 2} | LOGITS_TUNABLES)),
         "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
         "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
             2048, target_arch, **SELECT_TUNABLES),
