@@ -1,15 +1,33 @@
+import os
+import re
+
 from setuptools import find_packages, setup
+
+
+def _version() -> str:
+    """The one version string, sacpass/_version.py's __version__ (read as text: setup.py never imports torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sacpass", "_version.py")
+    with open(path) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
 
 setup(
     name="sacpass",
-    version="0.1.0",
+    version=_version(),
     description="Selective activation checkpointing under torch.compile, decided in the AOTAutograd joint graph",
     packages=find_packages(include=["sacpass", "sacpass.*", "glm52_model", "glm52_model.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "numpy"],
+    install_requires=[
+        "torch>=2.11",  # CustomPartitionerFn and the checkpoint tags sacpass sets; newer releases warn until tested
+        "numpy",  # only to silence torch's "Failed to initialize NumPy" warning at import; sacpass never uses it
+    ],
     extras_require={
-        # transformers: the checks on its GLM-5 DSA model (tests/test_discrete.py)
-        "test": ["pytest>=8", "hypothesis>=6", "expecttest==0.3.0", "transformers==5.24.0"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",  # property-based tests of the pass (tests/test_fuzz.py)
+            "expecttest==0.3.0",  # golden graph files (tests/expected_graphs; EXPECTTEST_ACCEPT=1 rewrites)
+            "transformers==5.24.0",  # the checks on its GLM-5 DSA model (tests/test_discrete.py)
+        ],
         "cuda": ["tilelang==0.1.15"],  # TileLang kernels for the H200 (built in CI, run on the GPU)
     },
     entry_points={

@@ -114,12 +114,19 @@ def measure(args, name, make_backend, device, dtype) -> dict:
            "offload": {"gib_per_step_each_way": st.offloaded_bytes / args.steps / 2 ** 30,
                        "prefetched_share": st.prefetched_bytes / max(1, st.reloaded_bytes),
                        "reloads_not_prefetched_per_step": st.waited_reloads / args.steps,
-                       "peak_host_gib": st.peak_host_bytes / 2 ** 30}}
+                       "peak_host_gib": st.peak_host_bytes / 2 ** 30,
+                       "peak_pool_held_gib": st.peak_host_bytes_held / 2 ** 30,
+                       "dropped_prefetch_gib": st.dropped_prefetch_bytes / 2 ** 30,
+                       "bundles_alive_after": st.bundles_alive}}
     if device.type == "cuda":
+        host = torch.cuda.host_memory_stats()  # what PyTorch's pinned allocator holds (sacpass's pool lives there)
+        row["offload"]["pytorch_pinned_gib"] = host.get("allocated_bytes.current", 0) / 2 ** 30
+        row["offload"]["pytorch_pinned_peak_gib"] = host.get("allocated_bytes.peak", 0) / 2 ** 30
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
     del model, be
     gc.collect()
+    offload_runtime.release_host_memory()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row

@@ -1,10 +1,10 @@
 """The memory-speed frontier as a picture: step time against peak memory, one point per variant.
 
-    python3 benchmarks/plot_frontier.py benchmarks/results/frontier_run2_h200.json \
-        benchmarks/results/bench_model_h200.json --out benchmarks/results/frontier_h200.png
+    python3 benchmarks/plot_frontier.py benchmarks/results/frontier_1layer_h200.json \
+        benchmarks/results/frontier_16layers_64k_h200.json --out docs/results/frontier_h200.png
 
 Reads ``bench_layer.py`` results (one panel per sequence length) and ``bench_model.py`` results (one panel);
-needs matplotlib.
+needs matplotlib. ``benchmarks/results_page.py`` draws the results page's frontier plot with the same functions.
 """
 from __future__ import annotations
 
@@ -29,32 +29,47 @@ def _model_panel(result: dict) -> list[tuple[str, dict]]:
     return [(f"{args.get('layers')} layers, S={args.get('seq', 0) // 1024}K (s)", points)] if points else []
 
 
-def main(argv=None) -> str:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results", nargs="+")
-    p.add_argument("--out", default="benchmarks/results/frontier.png")
-    args = p.parse_args(argv)
+def panels(results: list[dict]) -> list[tuple[str, dict]]:
+    """One panel per layer-benchmark length and one per model benchmark, in the order given."""
+    out = []
+    for result in results:
+        out += _model_panel(result) if "variants" in result else _layer_panels(result)
+    return out
+
+
+def draw(panel_list: list[tuple[str, dict]], path: str, title: str = "memory-speed frontier, H200") -> str:
+    """Write the panels to ``path`` as a PNG, byte for byte the same for the same input and matplotlib
+    (fixed size and dpi, no software or date in the PNG's metadata)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = []
-    for path in args.results:
-        with open(path) as f:
-            result = json.load(f)
-        panels += _model_panel(result) if "variants" in result else _layer_panels(result)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (title, points) in zip(axes[0], panels):
-        for name, (peak, t) in sorted(points.items()):
+    fig, axes = plt.subplots(1, len(panel_list), figsize=(5 * len(panel_list), 4), squeeze=False)
+    for ax, (name, points) in zip(axes[0], panel_list):
+        for variant, (peak, t) in sorted(points.items()):
             ax.scatter(peak, t, s=30)
-            ax.annotate(name, (peak, t), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_title(title, fontsize=9)
+            ax.annotate(variant, (peak, t), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(name, fontsize=9)
         ax.set_xlabel("peak allocated (GiB)")
         ax.set_ylabel("step time")
         ax.grid(alpha=0.3)
-    fig.suptitle("memory-speed frontier, H200 (lower left is better)", fontsize=10)
+    fig.suptitle(f"{title} (lower left is better)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", default="frontier.png")
+    args = p.parse_args(argv)
+    results = []
+    for path in args.results:
+        with open(path) as f:
+            results.append(json.load(f))
+    draw(panels(results), args.out)
     print(args.out)
     return args.out
 

@@ -9,9 +9,11 @@ Dynamo and Inductor are imported when a compile starts, never at ``import sacpas
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import dataclasses
 import sys
 import threading
 from typing import Any
@@ -24,7 +26,7 @@ from .dump import Dumper, trace_report
 from .errors import BackendOptionError, warn
 from .partitioner.context import CompileContext, GraphIds, PartitionConfig, PartitionResult, active
 from .plan import Plan, as_plan, check_memory_budget
-from .policies import Policy
+from .policies import Policy, note_registry_used
 from .report import Report
 
 __all__ = ["Backend", "backend", "named_backend", "sacpass_backend", "VALID_OPTIONS", "INNERS"]
@@ -34,16 +36,23 @@ VALID_OPTIONS = ("save", "recompute", "offload", "inner", "strict", "dump_dir", 
 INNERS = ("inductor", "aot_eager")
 
 
-def _sources_digest() -> str:
+@functools.lru_cache(maxsize=None)
+def _files_digest() -> str:
+    """sacpass's sources as this process read them: hashed once, so an edit on disk while a process runs
+    (whose code stays what it imported) does not change its keys."""
     root = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256(f"{__version__}:{PASS_VERSION}".encode())
+    h = hashlib.sha256()
     for sub in ("", "passes", "partitioner"):
         folder = os.path.join(root, sub)
         for name in sorted(os.listdir(folder)):
             if name.endswith(".py"):
                 with open(os.path.join(folder, name), "rb") as f:
                     h.update(name.encode() + f.read())
-    return h.hexdigest()[:16]
+    return h.hexdigest()
+
+
+def _sources_digest() -> str:
+    return hashlib.sha256(f"{__version__}:{PASS_VERSION}:{_files_digest()}".encode()).hexdigest()[:16]
 
 
 def _checkpoint_frames() -> bool:
@@ -63,13 +72,28 @@ def _boxed_nop(gm: torch.fx.GraphModule, example_inputs: Any):
     return make_boxed_func(gm.forward)
 
 
+def _append_newest(items: list, item: Any, limit: int) -> None:
+    """Append, keeping the newest ``limit`` items (0 keeps none)."""
+    items.append(item)
+    del items[:max(len(items) - max(limit, 0), 0)]
+
+
 def _cache_hits() -> int:
     from torch._dynamo.utils import counters
     return counters["aot_autograd"]["autograd_cache_hit"]
 
 
 class Backend:
-    """A torch.compile backend that partitions with sacpass. Reports land in ``self.reports``."""
+    """A torch.compile backend that partitions with sacpass. Reports land in ``self.reports``.
+
+    The policy's registered part (``register_must_save``), predicate keys and the plan's host budget are read
+    at each compile, so the cache key (:attr:`uuid`) follows them. A backend keeps the newest
+    ``max_reports`` reports and ``max_results`` partition results (each holds a forward and a backward
+    GraphModule); set them on the instance (or the class) to keep more or fewer, and :meth:`clear` drops both.
+    """
+
+    max_reports = 4096
+    max_results = 64
 
     def __init__(self, save=None, recompute=None, offload=None, inner: str = "inductor", strict: bool = True,
                  dump_dir: str | os.PathLike | None = None, use_registered: bool = True,
@@ -82,35 +106,62 @@ class Backend:
                             ("save_collectives", save_collectives), ("save_discrete", save_discrete)):
             if not isinstance(value, bool):
                 raise BackendOptionError(f"sacpass: {name}={value!r} must be True or False.")
-        self.inner, self.strict = inner, strict
-        policy = Policy.build(save, recompute, offload, use_registered=use_registered,
-                              save_collectives=save_collectives, save_discrete=save_discrete)
-        self.config = PartitionConfig(policy=policy, strict=strict, memory_budget=check_memory_budget(memory_budget),
-                                      plan=as_plan(plan))
+        self.inner, self.strict, self.use_registered = inner, strict, use_registered
+        self._policy = Policy.build(save, recompute, offload, use_registered=False,
+                                    save_collectives=save_collectives, save_discrete=save_discrete)
+        self._config = PartitionConfig(policy=self._policy, strict=strict,
+                                       memory_budget=check_memory_budget(memory_budget), plan=as_plan(plan))
         dump_dir = dump_dir if dump_dir is not None else os.environ.get("SACPASS_DUMP_DIR") or None
         self.dumper = Dumper(dump_dir) if dump_dir else None
         self.reports: list[Report] = []
         self.results: list[PartitionResult] = []  # fw/bw graphs of partitions done in this process
         self._ids = GraphIds()
         self._lock = threading.Lock()
-        key = self.config.key()
-        self.uuid = None if key is None else f"sacpass-{_sources_digest()}-{key}"
+        self._warned_uncached: set[str] = set()
         self._partitioner = None
         self._selectors_checked = False
         from .graph_breaks import watch
         watch()
 
     @property
+    def config(self) -> PartitionConfig:
+        """The config a compile starting now partitions under (the registry read now)."""
+        if not self.use_registered:
+            return self._config
+        policy = self._policy.with_registry()
+        return self._config if policy is self._policy else dataclasses.replace(self._config, policy=policy)
+
+    @property
     def policy(self) -> Policy:
         return self.config.policy
+
+    @property
+    def uuid(self) -> str | None:
+        """The cache key a compile starting now runs under (None: the compile caches are bypassed)."""
+        return self.open_context().uuid
+
+    def open_context(self, routed_checkpoints: tuple[str, ...] = ()) -> CompileContext:
+        """A compile's context: the config as of now and its cache key (see :meth:`_artifact_key`)."""
+        config = self.config
+        key = config.key()
+        why = config.policy.uncacheable() if key is None else []
+        return CompileContext(config, self._ids, routed_checkpoints, owner=self.partitioner,
+                              uuid=None if key is None else f"sacpass-{_sources_digest()}-{key}",
+                              uncached="; ".join(why))
 
     @property
     def partitioner(self):
         """The partition function object (built at the first compile: it derives from an Inductor class)."""
         if self._partitioner is None:
             from .partitioner.partition_fn import make_partitioner
-            self._partitioner = make_partitioner(self.config, self.uuid)
+            self._partitioner = make_partitioner(self.open_context)
         return self._partitioner
+
+    def clear(self) -> None:
+        """Drop the reports and partition results kept so far (the compiled graphs are not affected)."""
+        with self._lock:
+            self.reports.clear()
+            self.results.clear()
 
     # ------------------------------------------------------------------ compile
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
@@ -122,22 +173,42 @@ class Backend:
                  "(checkpoint(compile(f))). The outer checkpoint discards what the compiled graph saves, so "
                  "sacpass's must-save tags have no effect. Put the checkpoint inside the compiled function: "
                  "compile(checkpoint(f)).")
-        key = self._artifact_key(gm, example_inputs)
         repair_module_paths_pass(gm)
-        ctx = CompileContext(self.config, self._ids, routed_checkpoints=tuple(route_checkpoints_pass(gm)))
+        ctx = self.open_context(tuple(route_checkpoints_pass(gm)))
+        self._warn_uncached(ctx)
+        key = self._artifact_key(gm, example_inputs, ctx.uuid)
         hits = _cache_hits()
         with active(ctx):
             compiled = self._compile(gm, example_inputs)
+        if self.use_registered:
+            note_registry_used()
         for result in ctx.results:
             self._publish(result, key)
         if self.policy.explicit and not self._selectors_checked:
             compiled = self._check_selectors_at_backward(compiled)
+        self._account_unpartitioned(ctx, example_inputs, key, hit=_cache_hits() > hits)
+        return compiled
+
+    def _warn_uncached(self, ctx: CompileContext) -> None:
+        """Once per backend and reason: the compile caches are bypassed, and why."""
+        if ctx.uncached and ctx.uncached not in self._warned_uncached:
+            self._warned_uncached.add(ctx.uncached)
+            warn(f"sacpass: the FX-graph and AOTAutograd caches are bypassed for this backend: {ctx.uncached}. "
+                 f"Give the predicate a `cache_hash` attribute (a string that changes when its logic does), or "
+                 f"make what it reads a plain value (number, string, bool, None, tuple) or an object with a "
+                 f"`cache_hash`, to cache.")
+
+    def _account_unpartitioned(self, ctx: CompileContext, example_inputs, key: str | None, hit: bool) -> None:
+        """A compile that ran no partition: an inference graph (nothing to report), or a training graph served
+        from AOTAutograd's cache (PyTorch's own signal: its hit counter), whose report is the persisted copy."""
         training = torch.is_grad_enabled() and any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
-        if not ctx.results and training and _cache_hits() > hits:
-            # PyTorch's own signal: AOTAutograd served the graphs from its cache, so no partition ran
+        if ctx.results or not training:
+            return
+        if hit:
             self._load_persisted(key)
-        return compiled
+        elif key is not None:  # AOTAutograd found no output needing a gradient: an inference graph
+            self._persist(key, None)
 
     def _compile(self, gm, example_inputs):
         if self.inner == "inductor":
@@ -179,34 +250,85 @@ class Backend:
 
         regions = [r.graph for r in self.reports if r.unmatched]
         msg = (f"sacpass: selector(s) {', '.join(missing)} matched no forward node in any graph of this compile "
-               f"({len(self.reports)} graph(s); {', '.join(regions) or 'none'} held a checkpointed region). Check "
-               f"the op name and module pattern against the graphs (module paths are relative to the module "
-               f"given to torch.compile; dump_dir= writes the graphs).{hint()}")
+               f"({len(self.reports)} graph(s); checked in {', '.join(regions) or 'none'}: the graphs holding its "
+               f"module or, for a selector without one, a checkpointed region). Check the op name and module pattern against the graphs (module paths are "
+               f"relative to the module given to torch.compile; dump_dir= writes the graphs).{self._present(missing)}"
+               f"{hint()}")
         if self.strict:
             raise UnmatchedSelectorError(msg + " Pass strict=False to only warn.")
         warn(msg)
 
+    def _present(self, missing: list[str]) -> str:
+        """What the partitioned forward graphs hold, nearest to the unmatched selectors first."""
+        from .nodes import module_stack, node_op
+        from .selectors import nearest_first, selector_parts
+
+        modules, ops = set(), set()
+        for result in self.results:
+            for node in result.forward.graph.nodes:
+                op = node_op(node)
+                if op is not None:
+                    ops.add(op._schema.name)
+                    modules.update(f"{path} ({cls})" if path else cls for path, cls in module_stack(node))
+        parts = [selector_parts(s) for s in self.policy.explicit if str(s) in missing]
+        pattern = " ".join(m for m, _ in parts if m)
+        text = f" Ops present, nearest first: {', '.join(nearest_first(parts[0][1], ops)) or 'none'}." if parts else ""
+        if pattern:
+            text += f" Module paths present, nearest first: {', '.join(nearest_first(pattern, modules)) or 'none'}."
+        return text
+
     # ------------------------------------------------------------------ sinks
     def _publish(self, result: PartitionResult, key: str | None) -> None:
         with self._lock:
-            self.reports.append(result.report)
-            self.results.append(result)
+            _append_newest(self.results, result, self.max_results)
+        self._keep(result.report)
         if self.dumper is not None:
             self.dumper.write(result)
         trace_report(result.report)
         if key is not None:
             self._persist(key, result.report)
 
-    def _artifact_key(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
-        """Identifies one Dynamo graph under this backend: the key a persisted report is stored under."""
-        if self.uuid is None:
+    def _keep(self, report: Report) -> None:
+        with self._lock:
+            _append_newest(self.reports, report, self.max_reports)
+
+    def _artifact_key(self, gm: torch.fx.GraphModule, example_inputs: list[Any], uuid: str | None) -> str | None:
+        """Identifies one Dynamo graph under this backend: the key a persisted report is stored under.
+
+        Every input of a partition decision is in this key, and (through ``uuid``, the partitioner's
+        ``uuid()``) in Inductor's FX-graph and AOTAutograd cache keys, or the caches are bypassed:
+
+        - the policy: explicit save / recompute / offload selectors; predicate selectors by
+          :func:`~sacpass.selectors.predicate_key` (source, defaults, closure cells, globals read; computed at
+          each compile; a predicate without a stable key bypasses the caches, with a warning and a report line)
+        - the registry (``register_must_save``), read at each compile when ``use_registered``
+        - the defaults (``save_discrete``, ``save_collectives``), ``strict``, ``memory_budget``
+        - the plan: its fields, its cost model, and its host budget as resolved on this host
+          (``host_bytes=None``: a share of this machine's memory)
+        - sacpass's sources and versions (``_sources_digest``), the torch version, ``inner`` (the inner
+          compiler; Inductor's own config is in its keys)
+        - PyTorch's ``activation_memory_budget`` (the whole functorch config is in AOTAutograd's key)
+        - grad mode, autocast state, deterministic algorithms
+        - the Dynamo graph's code, and per input: shape (symbolic where dynamic), strides, dtype, device,
+          requires_grad; a non-tensor input by type
+        Not in the key: ``dump_dir`` (it only writes files).
+        With dynamic shapes the planner's byte counts are taken at the sizes of the compile that filled
+        the cache, as PyTorch's own knapsack does.
+        """
+        if uuid is None:
             return None
         from torch._functorch import config as fc
-        parts = [self.uuid, self.inner, torch.__version__, str(fc.activation_memory_budget),
-                 str(torch.is_grad_enabled()), gm.code]
-        for x in example_inputs:
-            if isinstance(x, torch.Tensor):
-                parts.append(f"{tuple(str(s) for s in x.shape)}:{x.dtype}:{x.requires_grad}")
+        autocast = [(d, torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
+                    if torch.is_autocast_enabled(d)]
+        parts = [uuid, self.inner, torch.__version__, str(fc.activation_memory_budget), str(torch.is_grad_enabled()),
+                 str(autocast), str(torch.are_deterministic_algorithms_enabled()), gm.code]
+        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, x in enumerate(example_inputs):
+            fake = placeholders[i] if i < len(placeholders) else None
+            t = fake if isinstance(fake, torch.Tensor) else x  # symbolic sizes where Dynamo made them dynamic
+            if isinstance(t, torch.Tensor):
+                parts.append(f"{tuple(map(str, t.shape))}:{tuple(map(str, t.stride()))}:{t.dtype}:"
+                             f"{t.device}:{t.requires_grad}")
             else:
                 parts.append(repr(type(x)))
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
@@ -216,13 +338,14 @@ class Backend:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         return os.path.join(cache_dir(), "sacpass_reports")
 
-    def _persist(self, key: str, report: Report) -> None:
+    def _persist(self, key: str, report: Report | None) -> None:
+        """Store ``report`` for a warm-cache rebuild; None: the graph is one without a partition."""
         folder = self._report_dir()
         try:
             os.makedirs(folder, exist_ok=True)
             tmp = os.path.join(folder, f"{key}.json.tmp{os.getpid()}")
             with open(tmp, "w") as f:
-                f.write(report.to_json())
+                f.write(_NO_PARTITION if report is None else report.to_json())
             os.replace(tmp, os.path.join(folder, f"{key}.json"))
         except OSError as e:  # the compile itself succeeded; losing the report is worth a warning only
             warn(f"sacpass: could not persist the report for a warm-cache rebuild ({e}).")
@@ -235,9 +358,9 @@ class Backend:
                  "(TORCHINDUCTOR_CACHE_DIR) once to rebuild it.")
             return
         with open(path) as f:
-            report = Report.from_json(f.read(), where=path)
-        with self._lock:
-            self.reports.append(report.with_graph(self._ids.next(), from_cache=True))
+            text = f.read()
+        if text != _NO_PARTITION:
+            self._keep(Report.from_json(text, where=path).with_graph(self._ids.next(), from_cache=True))
 
     def context_fn(self):
         """A ``context_fn`` for ``torch.utils.checkpoint`` with this backend's policy, for regions that run
@@ -286,6 +409,7 @@ def backend(save=None, recompute=None, offload=None, inner: str = "inductor", st
 
 
 _NAMED: dict[str, Backend] = {}
+_NO_PARTITION = '{"kind": "sacpass.no_partition"}'  # persisted for a graph that had no partition to report
 
 
 def _options_key(options: dict[str, Any]) -> str:

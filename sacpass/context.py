@@ -129,6 +129,8 @@ def _action(policy: Policy, op, args, out, modules_fn) -> tuple[str, str] | None
     if hit(policy.offload):
         return "offload", "offload"
     if hit(policy.save) or hit(policy.registered):
+        if op._schema.name in VALUE_INDEX_OPS and out is not None and is_discrete_op(op, args, out):
+            return "discrete", "discrete"  # its indices, narrowed, as the compiled pass keeps it
         return "save", "must-save"
     for s in policy.defaults:
         if isinstance(s, DiscreteSelector) and out is not None and is_discrete_op(op, args, out):

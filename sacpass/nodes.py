@@ -16,7 +16,8 @@ import torch
 import torch.fx
 
 __all__ = [
-    "node_op", "op_name", "module_stack", "module_path", "clean_module_path", "source_of", "code_line",
+    "node_op", "op_name", "module_stack", "module_path", "clean_module_path", "source_of", "stack_frames",
+    "code_line",
     "value_text", "tensor_nbytes", "node_nbytes", "size_hint", "shape_text", "dtype_text", "is_getitem",
     "is_view", "is_cast", "is_cast_or_view", "is_cheap_unary", "unpackers", "backward_part", "recomputed_names",
     "tag_name", "NodeFacts", "snapshot",
@@ -138,19 +139,26 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 # ------------------------------------------------------------------------------------------- source
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>.+))?$')
+
+
+def stack_frames(text: str) -> list[tuple[str, int, str]]:
+    """(file, line, function) of each ``File "...", line N, in f`` line of a formatted stack, outermost first."""
+    out = []
+    for line in (text or "").splitlines():
+        m = _FRAME.match(line)
+        if m:
+            out.append((m["file"], int(m["line"]), (m["func"] or "").strip()))
+    return out
+
+
 def source_of(node: torch.fx.Node) -> str:
     """'file.py:line' of the innermost user frame in the node's stack trace ('' when unknown)."""
-    last = ""
-    for line in (node.meta.get("stack_trace") or "").splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            try:
-                path = line.split('"')[1]
-                lineno = line.split("line ")[1].split(",")[0]
-            except IndexError:
-                continue
-            last = f"{path.rsplit('/', 1)[-1]}:{lineno}"
-    return last
+    frames = stack_frames(node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, lineno, _ = frames[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{lineno}"
 
 
 def code_line(node: torch.fx.Node) -> str:

@@ -1,165 +1,463 @@
-"""The offload runtime: move saved activations to pinned host memory in the forward, bring them back for the
+"""The offload runtime: move saved activations to host memory in the forward, bring them back for the
 backward, and prefetch across the per-layer compiled graphs.
 
 Two custom ops, inserted by :mod:`sacpass.passes.offload` into the partitioned graphs:
 
 - ``sacpass::offload(Tensor x, int index) -> Tensor``: in the forward, right after ``x`` is produced. Copies
-  ``x`` into a pinned host buffer on a side stream (the compute stream does not wait) and returns the host
-  tensor, which the forward saves instead of ``x``. ``x.record_stream`` makes the allocator reuse its memory
-  only after the copy, so it is free as soon as the forward drops it and the copy is done. ``index`` is the op's
-  position in its graph; index 0 opens a new *bundle* (one execution of one compiled forward).
+  ``x`` into a block of sacpass's host pool on a side stream (the compute stream does not wait) and returns the
+  host tensor, which the forward saves instead of ``x``. ``x.record_stream`` lets the allocator reuse ``x``'s
+  memory only after the copy. ``index`` is the op's position in its graph; index 0 opens a new *bundle* (one
+  execution of one compiled forward).
 - ``sacpass::reload(Tensor host, Device device) -> Tensor``: in the backward, before the first use. The first
   reload of a bundle issues the host-to-device copies of the whole bundle on a second side stream, then
-  starts the copies of the bundle before it (the previous layer, in forward order), so that layer's reloads
-  overlap this layer's backward; each reload makes the compute stream wait for its own copy only.
+  *prefetches* the bundle opened just before it on the same device and thread (the previous layer, whose
+  backward runs next), so those copies overlap this layer's backward; each reload makes the compute stream
+  wait for its own copy only.
 
-On a CPU tensor both ops copy (host to host): the graphs, the numerics and the report are what they are on
-a GPU, nothing is saved and nothing is prefetched. Pinned bytes alive at once are capped by
-:func:`set_host_limit` (default: 80% of physical memory); going past it raises :class:`OffloadError`.
+Lifetimes (nothing here is freed by a garbage collection, and nothing outlives what owns it):
+
+- A host tensor's storage is its pool block: the block goes back to the pool when autograd frees the saved
+  tensor (after its backward, or with its graph when no backward ever runs), and is handed out again only
+  once every copy that reads or writes it has finished (CUDA events).
+- A bundle lives exactly as long as one of its host tensors does: a forward whose backward never runs (an
+  eval loop under grad, a skipped step, an exception in the loss) leaves nothing behind once its outputs go.
+- A prefetched copy that no backward consumed is freed when the backward that started it ends (an autograd
+  final callback); ``record_stream`` orders the reuse of its device memory after its copy.
+
+The pool: host memory that sacpass owns, in slabs of a power of two bytes (which PyTorch's pinned allocator
+holds exactly; pinned when the offloaded tensor is on a GPU), sub-allocated in 512-byte blocks. What it holds
+(``host_bytes_held``) is what the machine gives up; what live offloads use (``host_bytes_alive``) is at most
+that. :func:`set_host_limit` caps the bytes *held* (default: 80% of physical memory); a slab that would pass
+the limit, or more than the host has available, raises :class:`~sacpass.OffloadError` before it is allocated.
+:func:`release_host_memory` gives unused slabs back.
+
+State is per device (streams), per thread (the bundle chain a forward appends to) and per graph (a bundle),
+under one lock; the backward's copies follow the bundle chain, never a global list. Two models stepping in
+two threads, or two microbatches interleaved (F1 F2 B1 B2), each prefetch their own previous layer. Two GPUs
+of one process keep apart by construction (streams and chains are keyed by device), which the tests cannot
+show here: the test machines have one GPU at most.
+
+On the CPU (a CPU tensor offloaded) the same code runs: pool, bundles, prefetch order, reload and free, with
+the copies done synchronously and an unpinned pool, so the lifecycle is tested without a GPU.
 """
 from __future__ import annotations
 
-import os
+import collections
+import ctypes
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
 from .errors import OffloadError
+from .host import available_memory, physical_memory
 
-__all__ = ["set_host_limit", "host_limit", "stats", "reset_stats", "OffloadStats"]
+__all__ = ["set_host_limit", "host_limit", "stats", "reset_stats", "OffloadStats", "release_host_memory",
+           "pool_bytes", "ALIGN"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 
+ALIGN = 512  # bytes: every block of the pool starts and ends on this boundary
+_MIN_SLAB = 4 << 20
+_MAX_SLAB = 2 << 30
+_HOST_MARGIN = 0.05  # share of physical memory a new slab must leave available to everything else
 
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 1 << 40
-
-
-_HOST_LIMIT = int(0.8 * _physical_memory())
+_HOST_LIMIT = int(0.8 * physical_memory())
 
 
 def set_host_limit(nbytes: int) -> None:
-    """Cap the pinned host bytes that offloaded activations may hold at once (all graphs together)."""
+    """Cap the host bytes sacpass's pool may hold (its slabs, all devices and graphs together). Unused slabs
+    over a lowered limit are given back at once; a later offload that needs more raises OffloadError."""
     global _HOST_LIMIT
-    if nbytes < 0:
-        raise ValueError(f"sacpass.offload.set_host_limit: {nbytes} must be >= 0")
-    _HOST_LIMIT = int(nbytes)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"sacpass.offload.set_host_limit({nbytes!r}): pass a number of bytes, an int >= 0.")
+    with _lock:
+        _HOST_LIMIT = nbytes
+        if _held() > nbytes:
+            _trim()
 
 
 def host_limit() -> int:
     return _HOST_LIMIT
 
 
+def pool_bytes(nbytes: int) -> int:
+    """The pool bytes one offloaded tensor of ``nbytes`` takes (its block: rounded up to ``ALIGN``)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+# ------------------------------------------------------------------------------------------------- stats
 @dataclass
 class OffloadStats:
-    """Counters since the last :func:`reset_stats` (what the benchmarks report)."""
+    """Counters since the last :func:`reset_stats` (what the benchmarks report), and the state now."""
 
     offloaded_bytes: int = 0  # device -> host
     reloaded_bytes: int = 0  # host -> device
     prefetched_bytes: int = 0  # reloads started ahead, before their bundle's backward
     waited_reloads: int = 0  # reloads whose copy was not started before the backward needed it
-    host_bytes_alive: int = 0  # pinned bytes referenced now
+    dropped_prefetch_bytes: int = 0  # prefetched, but no backward consumed them: freed when that backward ended
+    bundles: int = 0  # bundles opened (forward executions that offloaded)
+    host_bytes_alive: int = 0  # pool bytes live offloads use now (their blocks)
     peak_host_bytes: int = 0
-    bundles: int = 0
+    host_bytes_held: int = 0  # pool bytes held now (its slabs): the host memory sacpass really takes
+    peak_host_bytes_held: int = 0
+    bundles_alive: int = 0  # bundles whose host tensors are still referenced (by an autograd graph)
+
+    def format(self) -> str:
+        gib = 2 ** 30
+        return (f"offload: {self.offloaded_bytes / gib:.3f} GiB out, {self.reloaded_bytes / gib:.3f} GiB back "
+                f"({self.prefetched_bytes / gib:.3f} prefetched, {self.waited_reloads} reloads waited, "
+                f"{self.dropped_prefetch_bytes / gib:.3f} GiB prefetched unused); host pool: "
+                f"{self.host_bytes_alive / gib:.3f} GiB in use of {self.host_bytes_held / gib:.3f} GiB held "
+                f"(peaks {self.peak_host_bytes / gib:.3f} / {self.peak_host_bytes_held / gib:.3f}); "
+                f"{self.bundles_alive} bundles alive of {self.bundles} opened")
 
 
 _STATS = OffloadStats()
+_LIVE_BUNDLES: "weakref.WeakSet[_Bundle]" = weakref.WeakSet()
 
 
 def stats() -> OffloadStats:
-    return OffloadStats(**vars(_STATS))
+    with _lock:
+        _drain()
+        _STATS.bundles_alive = len(_LIVE_BUNDLES)
+        _STATS.host_bytes_held = _held()
+        return OffloadStats(**vars(_STATS))
 
 
 def reset_stats() -> None:
-    alive = _STATS.host_bytes_alive
-    for k in vars(_STATS):
-        setattr(_STATS, k, 0)
-    _STATS.host_bytes_alive = _STATS.peak_host_bytes = alive
+    with _lock:
+        _drain()
+        keep = {"host_bytes_alive", "host_bytes_held", "bundles_alive"}
+        for f in fields(OffloadStats):
+            if f.name not in keep:
+                setattr(_STATS, f.name, 0)
+        _STATS.host_bytes_held = _held()
+        _STATS.peak_host_bytes = _STATS.host_bytes_alive
+        _STATS.peak_host_bytes_held = _STATS.host_bytes_held
+
+
+def release_host_memory() -> int:
+    """Give back the pool's slabs that hold no live offload (and, on CUDA, PyTorch's cached pinned blocks).
+    Returns the bytes given back."""
+    with _lock:
+        _drain()
+        freed = _trim()
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if freed and empty is not None and torch.cuda.is_available():
+        empty()
+    return freed
+
+
+# ------------------------------------------------------------------------------------------------- pool
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(eq=False)
+class _Slab:
+    data: Tensor  # uint8, this slab's memory
+    size: int
+    free: list[list[int]]  # [offset, size] of free runs, by offset
+    blocks: int = 0  # blocks handed out or waiting for their copies
+
+    @property
+    def ptr(self) -> int:
+        return self.data.data_ptr()
+
+
+@dataclass(eq=False)
+class _Block:
+    slab: _Slab
+    offset: int
+    size: int
+    events: dict = field(default_factory=dict)  # stream kind -> the last copy on it that touched this block
+
+    @property
+    def ptr(self) -> int:
+        return self.slab.ptr + self.offset
+
+
+class _Pool:
+    """Slabs of host memory, sub-allocated best fit; freed blocks wait for their copies before reuse."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.slabs: list[_Slab] = []
+        self.pending: list[_Block] = []  # freed, some copy still in flight
+        self.in_use = 0
+
+    @property
+    def held(self) -> int:
+        return sum(s.size for s in self.slabs)
+
+    def allocate(self, nbytes: int) -> _Block:
+        size = pool_bytes(nbytes)
+        block = self._fit(size)
+        if block is None and self.pending:
+            self._reclaim(wait=True)
+            block = self._fit(size)
+        if block is None:
+            self.slabs.append(_new_slab(self, size))
+            block = self._fit(size)
+        self.in_use += block.size
+        return block
+
+    def release(self, block: _Block) -> None:
+        self.in_use -= block.size
+        self.pending.append(block)
+        self._reclaim()
+
+    def _fit(self, size: int) -> _Block | None:
+        best = None
+        for slab in self.slabs:
+            for run in slab.free:
+                if run[1] >= size and (best is None or run[1] < best[1][1]):
+                    best = (slab, run)
+        if best is None:
+            return None
+        slab, run = best
+        block = _Block(slab, run[0], size)
+        run[0] += size
+        run[1] -= size
+        if run[1] == 0:
+            slab.free.remove(run)
+        slab.blocks += 1
+        return block
+
+    def _reclaim(self, wait: bool = False) -> None:
+        keep = []
+        for block in self.pending:
+            events = list(block.events.values())
+            if wait:
+                for e in events:
+                    e.synchronize()
+            elif not all(e.query() for e in events):
+                keep.append(block)
+                continue
+            self._free(block)
+        self.pending = keep
+
+    @staticmethod
+    def _free(block: _Block) -> None:
+        slab = block.slab
+        slab.blocks -= 1
+        runs = slab.free
+        at = next((i for i, r in enumerate(runs) if r[0] > block.offset), len(runs))
+        runs.insert(at, [block.offset, block.size])
+        if at + 1 < len(runs) and runs[at][0] + runs[at][1] == runs[at + 1][0]:  # merge with the next run
+            runs[at][1] += runs.pop(at + 1)[1]
+        if at > 0 and runs[at - 1][0] + runs[at - 1][1] == runs[at][0]:  # and with the previous one
+            runs[at - 1][1] += runs.pop(at)[1]
+
+    def trim(self) -> int:
+        self._reclaim(wait=True)
+        empty = [s for s in self.slabs if s.blocks == 0]
+        self.slabs = [s for s in self.slabs if s.blocks]
+        return sum(s.size for s in empty)
+
+
+_POOLS = {True: _Pool(pinned=True), False: _Pool(pinned=False)}
+
+
+def _held() -> int:
+    return sum(p.held for p in _POOLS.values())
+
+
+def _trim() -> int:
+    freed = sum(p.trim() for p in _POOLS.values())
+    _STATS.host_bytes_held = _held()
+    return freed
+
+
+def _new_slab(pool: _Pool, size: int) -> _Slab:
+    """A slab for a block of ``size`` bytes: a power of two, growing with what the pool holds (up to 2 GiB,
+    fewer slabs for a large working set), within the host limit and what the host has available."""
+    held = _held()
+    slab = max(_pow2(size), min(_MAX_SLAB, max(_MIN_SLAB, _pow2(held + 1))))
+    if held + slab > _HOST_LIMIT:
+        slab = _pow2(size)
+    if held + slab > _HOST_LIMIT:
+        raise OffloadError(
+            f"sacpass: offloading {size} more bytes needs a new host slab of {slab} bytes, which would make "
+            f"sacpass's host pool hold {held + slab} bytes ({pool_in_use()} in use by live offloads), past the "
+            f"limit of {_HOST_LIMIT} (sacpass.offload.set_host_limit). Offload less (a smaller "
+            f"Plan(host_bytes=...) or fewer offload= selectors), drop outputs whose backward will never run, or "
+            f"raise the limit.")
+    free = available_memory() - int(_HOST_MARGIN * physical_memory())
+    if slab > free:
+        raise OffloadError(
+            f"sacpass: offloading {size} more bytes needs a new host slab of {slab} bytes, but the host has only "
+            f"{max(free, 0)} bytes available (beyond a {int(100 * _HOST_MARGIN)}% margin; sacpass's pool holds "
+            f"{held}). Offload less (a smaller Plan(host_bytes=...) or fewer offload= selectors), or free host "
+            f"memory.")
+    data = torch.empty(slab, dtype=torch.uint8, pin_memory=pool.pinned)
+    _STATS.host_bytes_held = held + slab
+    _STATS.peak_host_bytes_held = max(_STATS.peak_host_bytes_held, held + slab)
+    return _Slab(data, slab, [[0, slab]])
+
+
+def pool_in_use() -> int:
+    return sum(p.in_use for p in _POOLS.values())
+
+
+def _block_tensor(block: _Block, shape, stride, dtype: torch.dtype, on_free=None) -> Tensor:
+    """A tensor over ``block``'s memory. With ``on_free``, its storage calls ``on_free`` when it dies: that
+    storage *is* the block's life. Without, a second view for a copy (the block outlives it by its events)."""
+    buf = (ctypes.c_uint8 * block.size).from_address(block.ptr)
+    if on_free is not None:
+        weakref.finalize(buf, on_free).atexit = False
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).as_strided(shape, stride)
 
 
 # ------------------------------------------------------------------------------------------ bookkeeping
-@dataclass(eq=False)  # identity: bundles are found in a list by who they are, not what they hold
+@dataclass(eq=False)
 class _Bundle:
-    """The host tensors one forward execution offloaded, in order (weak references)."""
+    """The host tensors one forward execution offloaded (their keys, in order). Referenced by its entries
+    only: it goes when the last of its host tensors does."""
 
-    hosts: list[weakref.ref] = field(default_factory=list)
+    device: tuple[str, int]
+    prev: "weakref.ref[_Bundle] | None"  # the bundle opened before it on this device and thread
+    keys: list[int] = field(default_factory=list)
     started: bool = False  # its backward has begun (its first reload ran)
     issued: bool = False  # its host-to-device copies have been issued
+
+    def __post_init__(self) -> None:
+        _LIVE_BUNDLES.add(self)
+
+    def entries(self) -> list["_Entry"]:
+        return [e for e in (_ENTRIES.get(k) for k in self.keys) if e is not None and e.bundle is self]
 
 
 @dataclass(eq=False)
 class _Entry:
     bundle: _Bundle
+    pool: _Pool
+    block: _Block
+    nbytes: int  # the tensor's bytes
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
     d2h: "torch.cuda.Event | None"  # completion of the device-to-host copy (None on CPU)
-    nbytes: int
-    reload: Tensor | None = None  # the device copy, once issued
+    reload: Tensor | None = None  # the device copy, once issued and until consumed
     h2d: "torch.cuda.Event | None" = None
 
 
-_ENTRIES: dict[int, _Entry] = {}  # host storage address -> entry; removed when the host tensor dies
-_BUNDLES: list[_Bundle] = []  # forward order; a bundle leaves when its backward begins
+_ENTRIES: dict[int, _Entry] = {}  # host data address -> entry; removed when the host tensor's storage dies
+_OPEN: dict[tuple[tuple[str, int], int], "weakref.ref[_Bundle]"] = {}  # (device, thread) -> newest bundle
 _STREAMS: dict[tuple[str, int], "torch.cuda.Stream"] = {}
+_FREED: collections.deque = collections.deque()  # host addresses whose storage died, to settle under the lock
+_BACKWARDS: dict[int, list] = {}  # autograd graph task -> bundles its backward began or prefetched (weak)
 
 
-def _key(host: Tensor) -> int:
-    return host.untyped_storage().data_ptr()
+def _device_key(device: torch.device) -> tuple[str, int]:
+    if device.type == "cuda":
+        return ("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    return (device.type, -1)
 
 
 def _stream(kind: str, device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if (kind, index) not in _STREAMS:
-        _STREAMS[(kind, index)] = torch.cuda.Stream(device=torch.device("cuda", index))
-    return _STREAMS[(kind, index)]
+    key = (kind, _device_key(device)[1])
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=torch.device("cuda", key[1]))
+    return _STREAMS[key]
 
 
-def _forget(key: int, nbytes: int) -> None:
-    with _lock:
-        entry = _ENTRIES.pop(key, None)
-        _STATS.host_bytes_alive -= nbytes
-    if entry is not None and entry.reload is not None and entry.h2d is not None:
-        # an unused prefetch: order the allocator's reuse of its memory after the copy
-        torch.cuda.current_stream(entry.reload.device).wait_event(entry.h2d)
+def _drain() -> None:
+    """Settle the host tensors that died since the last call: their entries go, their blocks go back to the
+    pool (after their copies). Storage finalizers only queue the address, so a collection that runs inside
+    the runtime never changes the pool under its feet."""
+    while _FREED:
+        entry = _ENTRIES.pop(_FREED.popleft(), None)
+        if entry is None:
+            continue
+        entry.reload = None
+        entry.pool.release(entry.block)
+        _STATS.host_bytes_alive -= entry.block.size
 
 
-def _host_like(x: Tensor) -> Tensor:
-    """A host tensor with ``x``'s sizes, and its strides where they are dense (pinned when ``x`` is on a GPU)."""
-    pin = x.device.type == "cuda"
+def _open_bundle(device: torch.device, index: int) -> _Bundle:
+    key = (_device_key(device), threading.get_ident())
+    ref = _OPEN.get(key)
+    current = ref() if ref is not None else None
+    if index == 0 or current is None or current.started:
+        current = _Bundle(key[0], ref)
+        _OPEN[key] = weakref.ref(current)
+        _STATS.bundles += 1
+    return current
+
+
+def _host_layout(x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(sizes, strides, bytes) of ``x``'s host copy: its own strides where they are dense, else contiguous."""
+    shape = tuple(x.shape)
     if torch._prims_common.is_non_overlapping_and_dense_or_false(x):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=pin)
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=pin)
+        stride = tuple(x.stride())
+    else:
+        stride = tuple(torch._prims_common.make_contiguous_strides_for(shape)) if shape else ()
+    extent = 0 if x.numel() == 0 else 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+    return shape, stride, extent * x.element_size()
 
 
-def _issue_reload(host: Tensor, entry: _Entry, device: torch.device) -> None:
-    stream = _stream("h2d", device)
-    dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # the allocation is ordered before the copy
-    if entry.d2h is not None:
-        stream.wait_event(entry.d2h)
-    with torch.cuda.stream(stream):
-        dev.copy_(host, non_blocking=True)
-        entry.h2d = torch.cuda.Event()
-        entry.h2d.record(stream)
+def _issue_reload(entry: _Entry, device: torch.device) -> None:
+    src = _block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
+    dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
+    if device.type == "cuda":
+        stream = _stream("h2d", device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the allocation is ordered before the copy
+        if entry.d2h is not None:
+            stream.wait_event(entry.d2h)
+        with torch.cuda.stream(stream):
+            dev.copy_(src, non_blocking=True)
+            entry.h2d = torch.cuda.Event()
+            entry.h2d.record(stream)
+        dev.record_stream(stream)  # freed unconsumed (a dropped prefetch): reused only after the copy
+        entry.block.events["h2d"] = entry.h2d
+    else:
+        dev.copy_(src)
     entry.reload = dev
     _STATS.reloaded_bytes += entry.nbytes
 
 
 def _issue_bundle(bundle: _Bundle, device: torch.device, *, prefetch: bool) -> None:
     bundle.issued = True
-    for ref in bundle.hosts:
-        host = ref()
-        entry = _ENTRIES.get(_key(host)) if host is not None else None
-        if entry is not None and entry.reload is None:
-            _issue_reload(host, entry, device)
+    for entry in bundle.entries():
+        if entry.reload is None:
+            _issue_reload(entry, device)
             if prefetch:
                 _STATS.prefetched_bytes += entry.nbytes
             else:
                 _STATS.waited_reloads += 1
+
+
+def _track(bundle: _Bundle) -> None:
+    """Remember ``bundle`` for the end of the backward running now (its unconsumed copies are freed then)."""
+    task = torch._C._current_graph_task_id()
+    if task < 0:  # not inside a backward (a graph called by hand): the entries' own lifetimes free them
+        return
+    if task not in _BACKWARDS:
+        _BACKWARDS[task] = []
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_backward(task))
+    _BACKWARDS[task].append(weakref.ref(bundle))
+
+
+def _end_backward(task: int) -> None:
+    """The backward ``task`` ended: free the copies it started that nothing consumed (a prefetched bundle
+    whose backward did not follow, a value its graph never read); such a bundle may be issued again later."""
+    with _lock:
+        _drain()
+        for ref in _BACKWARDS.pop(task, []):
+            bundle = ref()
+            if bundle is None:
+                continue
+            for entry in bundle.entries():
+                if entry.reload is not None:
+                    entry.reload = None
+                    _STATS.dropped_prefetch_bytes += entry.nbytes
+            if not bundle.started:
+                bundle.issued = False
 
 
 def _begin_backward(bundle: _Bundle, device: torch.device) -> None:
@@ -167,49 +465,45 @@ def _begin_backward(bundle: _Bundle, device: torch.device) -> None:
     bundle.started = True
     if not bundle.issued:
         _issue_bundle(bundle, device, prefetch=False)
-    at = _BUNDLES.index(bundle) if bundle in _BUNDLES else len(_BUNDLES)
-    earlier = [b for b in _BUNDLES[:at] if not b.started and not b.issued]
-    if earlier:  # in a plain backward, the layer before this one runs its backward next
-        _issue_bundle(earlier[-1], device, prefetch=True)
-    if bundle in _BUNDLES:
-        _BUNDLES.remove(bundle)
+    _track(bundle)
+    prev = bundle.prev() if bundle.prev is not None else None
+    if prev is not None and not prev.started and not prev.issued:  # in a plain backward, it runs next
+        _issue_bundle(prev, device, prefetch=True)
+        _track(prev)
 
 
 # ------------------------------------------------------------------------------------------------ ops
 @torch.library.custom_op("sacpass::offload", mutates_args=())
 def offload(x: Tensor, index: int) -> Tensor:
-    """Copy ``x`` to (pinned) host memory without making the compute stream wait; see the module docstring."""
-    host = _host_like(x)
-    nbytes = host.untyped_storage().nbytes()
+    """Copy ``x`` to sacpass's host pool without making the compute stream wait; see the module docstring."""
+    shape, stride, nbytes = _host_layout(x)
+    if nbytes == 0:
+        return torch.empty_strided(shape, stride, dtype=x.dtype, device="cpu")
+    on_cuda = x.device.type == "cuda"
     with _lock:
-        if _STATS.host_bytes_alive + nbytes > _HOST_LIMIT:
-            raise OffloadError(
-                f"sacpass: offloading {nbytes} more bytes would hold {_STATS.host_bytes_alive + nbytes} pinned host "
-                f"bytes, past the limit of {_HOST_LIMIT} (sacpass.offload.set_host_limit). Offload less (a "
-                f"smaller Plan(host_bytes=...) or fewer offload= selectors) or raise the limit.")
-        if index == 0 or not _BUNDLES:
-            _BUNDLES.append(_Bundle())
-            _STATS.bundles += 1
-        bundle = _BUNDLES[-1]
-        _STATS.host_bytes_alive += nbytes
+        _drain()
+        pool = _POOLS[on_cuda]
+        block = pool.allocate(nbytes)
+        bundle = _open_bundle(x.device, index)
+        host = _block_tensor(block, shape, stride, x.dtype, on_free=lambda key=block.ptr: _FREED.append(key))
+        entry = _Entry(bundle, pool, block, nbytes, shape, stride, x.dtype, None)
+        _ENTRIES[block.ptr] = entry
+        bundle.keys.append(block.ptr)
+        _STATS.host_bytes_alive += block.size
         _STATS.peak_host_bytes = max(_STATS.peak_host_bytes, _STATS.host_bytes_alive)
         _STATS.offloaded_bytes += nbytes
-    d2h = None
-    if x.device.type == "cuda":
-        stream = _stream("d2h", x.device)
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):
-            host.copy_(x, non_blocking=True)
-            d2h = torch.cuda.Event()
-            d2h.record(stream)
-        # the allocator may hand x's memory out again only after the copy: freed as soon as the forward
-        # drops x and the copy is done, without a reference kept here until the next sacpass op runs
-        x.record_stream(stream)
-    else:
+        if on_cuda:
+            stream = _stream("d2h", x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                host.copy_(x, non_blocking=True)
+                entry.d2h = torch.cuda.Event()
+                entry.d2h.record(stream)
+            block.events["d2h"] = entry.d2h
+            # x's memory is handed out again only after the copy: free as soon as the forward drops x
+            x.record_stream(stream)
+    if not on_cuda:
         host.copy_(x)
-    key = _key(host)
-    _ENTRIES[key] = _Entry(bundle, d2h, nbytes)
-    bundle.hosts.append(weakref.ref(host, lambda _, k=key, n=nbytes: _forget(k, n)))
     return host
 
 
@@ -220,23 +514,35 @@ def _(x, index):
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
+def _plain_copy(host: Tensor, device: torch.device) -> Tensor:
+    out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    out.copy_(host)
+    with _lock:
+        _STATS.reloaded_bytes += host.numel() * host.element_size()
+    return out
+
+
 @torch.library.custom_op("sacpass::reload", mutates_args=())
 def reload(host: Tensor, device: torch.device) -> Tensor:
     """Bring an offloaded activation back to ``device``; see the module docstring."""
     device = torch.device(device)
-    entry = _ENTRIES.get(_key(host))
-    if device.type != "cuda" or entry is None:  # CPU, or a host tensor sacpass did not make: copy plainly
-        out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-        out.copy_(host)
-        _STATS.reloaded_bytes += host.untyped_storage().nbytes()
-        return out
-    if not entry.bundle.started:
-        _begin_backward(entry.bundle, device)
-    if entry.reload is None:  # reloaded before (a second backward through the same graph): again
-        _issue_reload(host, entry, device)
-        _STATS.waited_reloads += 1
-    torch.cuda.current_stream(device).wait_event(entry.h2d)
-    out, entry.reload = entry.reload, None
+    with _lock:
+        _drain()
+        entry = _ENTRIES.get(host.data_ptr()) if host.numel() else None
+        if entry is None or entry.shape != tuple(host.shape) or entry.dtype != host.dtype:
+            entry = None  # a host tensor sacpass did not make (or an empty one): copied plainly below
+        else:
+            if not entry.bundle.started:
+                _begin_backward(entry.bundle, device)
+            if entry.reload is None:  # consumed before (a second backward through the same graph): again
+                _issue_reload(entry, device)
+                _STATS.waited_reloads += 1
+                _track(entry.bundle)
+            out, event, entry.reload = entry.reload, entry.h2d, None
+    if entry is None:
+        return _plain_copy(host, device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).wait_event(event)
     return out
 
 

@@ -8,12 +8,12 @@ and back (``offload``), or ``recompute`` it, to minimise the step time under the
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import BackendOptionError
+from .host import physical_memory
 
 __all__ = ["CostModel", "Plan", "as_plan"]
 
@@ -50,13 +50,6 @@ class CostModel:
 
     def copy_seconds(self, nbytes: float) -> float:
         return nbytes / self.copy_bytes_per_s
-
-
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 1 << 40
 
 
 @dataclass(frozen=True)
@@ -106,7 +99,7 @@ class Plan:
     def host_budget(self) -> int:
         if self.host_bytes is not None:
             return self.host_bytes
-        return int(0.4 * _physical_memory()) // self.layers
+        return int(0.4 * physical_memory()) // self.layers
 
 
 def as_plan(plan) -> Plan | None:

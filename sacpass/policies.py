@@ -8,23 +8,38 @@ functional collectives). Two explicit actions on one node are a :class:`~sacpass
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .errors import PolicyConflictError
-from .selectors import (CollectiveSelector, DiscreteSelector, Selector, SelectorLike, as_selector,
-                        as_selectors)
+from .errors import PolicyConflictError, warn
+from .selectors import (CollectiveSelector, DiscreteSelector, PredicateSelector, Selector, SelectorLike,
+                        as_selector, as_selectors)
 
-__all__ = ["Policy", "register_must_save", "registered_must_save", "clear_registry"]
+__all__ = ["Policy", "register_must_save", "registered_must_save", "clear_registry", "note_registry_used"]
 
 _REGISTRY: list[Selector] = []
+_GRAPHS_UNDER_REGISTRY = [0]  # graphs compiled with the registry read as it is now
 
 
 def register_must_save(selector: SelectorLike) -> Selector:
-    """Declare, next to its definition, an op whose outputs the backward must never recompute."""
+    """Declare, next to its definition, an op whose outputs the backward must never recompute.
+
+    Backends read the registry at each compile. Graphs compiled before a registration keep the policy they
+    were compiled under (Dynamo reuses them without asking the backend), so this warns when it comes late."""
     sel = as_selector(selector)
     if sel not in _REGISTRY:
         _REGISTRY.append(sel)
+        stale, _GRAPHS_UNDER_REGISTRY[0] = _GRAPHS_UNDER_REGISTRY[0], 0
+        if stale:
+            warn(f"sacpass: register_must_save({sel}) ran after {stale} graph(s) were compiled with "
+                 f"use_registered=True under the registry without it; those graphs keep their old policy until "
+                 f"they are recompiled (unless torch._dynamo.reset() ran since). Register must-save ops where "
+                 f"they are defined, before the first compile, or call torch._dynamo.reset() and run again.")
     return sel
+
+
+def note_registry_used() -> None:
+    """A backend compiled a graph under the registry as it is now (see register_must_save's warning)."""
+    _GRAPHS_UNDER_REGISTRY[0] += 1
 
 
 def registered_must_save() -> tuple[Selector, ...]:
@@ -34,6 +49,7 @@ def registered_must_save() -> tuple[Selector, ...]:
 def clear_registry() -> None:
     """Forget every registered must-save selector (tests)."""
     _REGISTRY.clear()
+    _GRAPHS_UNDER_REGISTRY[0] = 0
 
 
 @dataclass(frozen=True)
@@ -59,10 +75,15 @@ class Policy:
                     f"sacpass: selector(s) {', '.join(both)} appear in both {an}= and {bn}=; one value gets one "
                     f"action. Remove it from one of {an}= / {bn}=, or narrow one with a module pattern "
                     f"('<module>::ns::op').")
-        reg = tuple(s for s in registered_must_save() if s not in save_t) if use_registered else ()
         defaults = ((DiscreteSelector(),) if save_discrete else ()) + \
             ((CollectiveSelector(),) if save_collectives else ())
-        return cls(save_t, rec_t, off_t, reg, defaults)
+        policy = cls(save_t, rec_t, off_t, (), defaults)
+        return policy.with_registry() if use_registered else policy
+
+    def with_registry(self) -> "Policy":
+        """This policy with ``registered`` read from the registry now (an explicit save= wins)."""
+        reg = tuple(s for s in registered_must_save() if s not in self.save)
+        return self if reg == self.registered else replace(self, registered=reg)
 
     @property
     def explicit(self) -> tuple[Selector, ...]:
@@ -73,19 +94,26 @@ class Policy:
     def empty(self) -> bool:
         return not (self.explicit or self.registered or self.defaults)
 
-    def cache_key(self) -> str | None:
-        """A stable digest of the policy, or None when a predicate has no stable key (caches bypass)."""
-        parts = []
+    def _keys(self) -> tuple[list[str], list[str]]:
+        """(one part per selector, why each uncacheable predicate is so); predicates keyed now."""
+        parts, why = [], []
         for kind in ("save", "recompute", "offload", "registered", "defaults"):
             for s in getattr(self, kind):
-                key = getattr(s, "cache_key", "")
+                key, reason = s.key() if isinstance(s, PredicateSelector) else ("", "")
                 if key is None:
-                    return None
+                    why.append(f"{s} {reason}")
                 parts.append(f"{kind}:{s}:{key}")
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+        return parts, why
+
+    def cache_key(self) -> str | None:
+        """A stable digest of the policy, or None when a predicate has no stable key (caches bypass).
+        Predicate keys are computed at each call: they follow the globals a predicate reads."""
+        parts, why = self._keys()
+        return None if why else hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
     def uncacheable(self) -> list[str]:
-        return [str(s) for s in self.explicit + self.registered if getattr(s, "cache_key", "") is None]
+        """One line per predicate without a stable key: the predicate and what it reads."""
+        return self._keys()[1]
 
     def __str__(self) -> str:
         def j(xs):

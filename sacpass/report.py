@@ -109,6 +109,13 @@ class Report:
         return sum(s.bytes for s in self.saved if s.on_host)
 
     @property
+    def host_pool_bytes(self) -> int:
+        """Bytes of sacpass's host pool the offloaded tensors take per execution (their blocks, aligned); the
+        pool's slabs, what the machine really gives up, are ``sacpass.offload.stats().host_bytes_held``."""
+        from .offload import pool_bytes
+        return sum(pool_bytes(s.bytes) for s in self.saved if s.on_host)
+
+    @property
     def activation_bytes(self) -> int:
         """Bytes of activations kept on the device: everything saved that is neither an input nor offloaded."""
         return self.total_bytes - self.input_bytes - self.host_bytes
@@ -210,7 +217,8 @@ def saved_table(report: Report, *, shape: Callable[[str], str] = str, source: Ca
                  + (f", {report.saved_symints} symints" if report.saved_symints else ""))
     lines.append(f"  activations: {len(report.saved) - n_in - n_host} tensors, {report.activation_bytes} bytes "
                  f"on the device; graph inputs: {n_in} tensors, {report.input_bytes} bytes"
-                 + (f"; offloaded: {n_host} tensors, {report.host_bytes} bytes on the host" if n_host else ""))
+                 + (f"; offloaded: {n_host} tensors, {report.host_bytes} bytes on the host "
+                    f"({report.host_pool_bytes} bytes of sacpass's host pool)" if n_host else ""))
     for reason, b in report.bytes_by_reason().items():
         lines.append(f"  {reason}: {b} bytes")
     return lines

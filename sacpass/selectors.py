@@ -33,7 +33,7 @@ from .nodes import module_stack, node_op
 __all__ = [
     "OpSelector", "ModuleOpSelector", "PredicateSelector", "CollectiveSelector", "DiscreteSelector",
     "Selector", "SelectorLike", "as_selector", "as_selectors", "DISCRETE_OPS", "VALUE_INDEX_OPS", "is_discrete_op",
-    "INT32_LIMIT", "bound_args", "selection_extent", "tensors_in",
+    "INT32_LIMIT", "bound_args", "selection_extent", "tensors_in", "predicate_key", "PREDICATE_KEY_DEPTH",
 ]
 
 
@@ -53,6 +53,20 @@ def _closest(name: str) -> list[str]:
         bare = name.split("::", 1)[1]
         close = [n for n in short if n.split("::", 1)[1] == bare][:5]
     return close
+
+
+def nearest_first(name: str, candidates: Iterable[str], n: int = 8) -> list[str]:
+    """Up to ``n`` of ``candidates``, the closest to ``name`` first (difflib's similarity ratio)."""
+    def closeness(c: str) -> float:
+        return difflib.SequenceMatcher(None, name.lower(), c.lower()).ratio()
+    return sorted(set(candidates), key=lambda c: (-closeness(c), c))[:n]
+
+
+def selector_parts(sel) -> tuple[str | None, str]:
+    """(module pattern or None, op spelling) of a selector, to compare with what a graph holds."""
+    if isinstance(sel, ModuleOpSelector):
+        return sel.module, sel.op.qualname
+    return None, getattr(sel, "qualname", str(sel))
 
 
 def _op_exists(ns: str, name: str) -> bool:
@@ -87,6 +101,34 @@ def _check_taggable(op: torch._ops.OpOverload, spelled: str) -> None:
         raise SelectorError(
             f"sacpass: selector {spelled!r} names {schema.name}, which returns no tensor ({schema}); "
             f"there is nothing to save. Select the op that produces the tensor you want kept.")
+
+
+# ops that never reach a joint graph (they decompose before AOTAutograd traces it), spelled as the op they
+# become when that op carries the same decision: ``aten::argsort`` is traced as ``aten::sort``
+ALIASES = {"aten::argsort": "aten::sort", "aten::softmax": "aten::_softmax", "aten::log_softmax": "aten::_log_softmax",
+           "aten::layer_norm": "aten::native_layer_norm", "aten::group_norm": "aten::native_group_norm",
+           "aten::dropout": "aten::native_dropout"}
+# what to select instead of a decomposing op with no single replacement
+_DECOMPOSED_INTO = {"aten::linear": "aten::addmm or aten::mm", "aten::matmul": "aten::mm or aten::bmm",
+                    "aten::einsum": "aten::bmm or aten::mm", "aten::rms_norm": "aten::rsqrt or aten::mul",
+                    "aten::scaled_dot_product_attention": "aten::_scaled_dot_product_flash_attention, "
+                    "aten::_scaled_dot_product_efficient_attention or the math ops it becomes (aten::bmm)"}
+
+
+def _decomposes(ops: Sequence[torch._ops.OpOverload]) -> bool:
+    """Whether every overload decomposes before the joint graph (a CompositeImplicitAutograd kernel)."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return bool(ops) and all(op.has_kernel_for_dispatch_key(key) for op in ops)
+
+
+def _refuse_decomposing(sel: "OpSelector", quoted: str) -> None:
+    if not _decomposes(sel.overloads(quoted)):
+        return
+    instead = _DECOMPOSED_INTO.get(sel.qualname)
+    raise SelectorError(
+        f"sacpass: selector {quoted!r} names {sel}, which decomposes into other ops before the joint graph "
+        f"is traced (it is CompositeImplicitAutograd), so no node ever carries it. Select "
+        f"{instead or 'the ops it decomposes into'} instead (dump_dir= writes the joint graph to read them).")
 
 
 def _looks_like_module(ns: str) -> bool:
@@ -125,6 +167,9 @@ class OpSelector:
         quoted = quoted or spelled
         ns, name, overload = _parse_op_name(spelled, quoted)
         qual = f"{ns}::{name}"
+        if qual in ALIASES:  # the op it is traced as; its overloads differ, so the whole packet
+            (ns, name), overload = ALIASES[qual].split("::"), None
+            qual = f"{ns}::{name}"
         if not _op_exists(ns, name):
             if _looks_like_module(ns):
                 raise UnknownOpError(
@@ -138,6 +183,7 @@ class OpSelector:
                 f"Import the module that defines the op before building the policy, or fix the name.")
         sel = cls(qual, overload)
         sel.overloads(quoted)  # validates the overload and the schema
+        _refuse_decomposing(sel, quoted)
         return sel
 
     @classmethod
@@ -146,7 +192,10 @@ class OpSelector:
             sel = cls(op._schema.name, op._overloadname or "default")
         else:
             sel = cls(op._qualified_op_name, None)
+        if sel.qualname in ALIASES:
+            sel = cls(ALIASES[sel.qualname], None)
         sel.overloads(str(op))
+        _refuse_decomposing(sel, str(op))
         return sel
 
     def packet(self) -> torch._ops.OpOverloadPacket:
@@ -206,24 +255,122 @@ class ModuleOpSelector:
         return f"{self.module}::{self.op}"
 
 
+# --------------------------------------------------------------------------- predicate keys
+PREDICATE_KEY_DEPTH = 4  # how deep a predicate's calls into other module-level functions are followed
+_PLAIN_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+class _Unkeyable(Exception):
+    """What a predicate reads that has no stable key (the message names it)."""
+
+
+def _value_key(value: Any, what: str, stack: tuple) -> str:
+    """A stable key for a value a predicate reads, or _Unkeyable: plain values (and tuples / frozensets of
+    them) by value, objects with ``cache_hash`` by it, functions by what they read, modules / classes / ops
+    by name."""
+    if isinstance(value, _PLAIN_TYPES):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, (tuple, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, frozenset) else value
+        return f"{type(value).__name__}(" + ",".join(_value_key(v, what, stack) for v in items) + ")"
+    hashed = getattr(value, "cache_hash", None)
+    if isinstance(hashed, str):
+        return f"cache_hash:{hashed}"
+    if inspect.ismodule(value):  # modules, torch.ops namespaces
+        return f"module:{value.__name__}"
+    if isinstance(value, type):
+        return f"class:{value.__module__}.{value.__qualname__}"
+    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return f"op:{value}"
+    if inspect.isbuiltin(value):
+        return f"builtin:{getattr(value, '__module__', '')}.{value.__qualname__}"
+    if inspect.isfunction(value) and value.__name__ != "<lambda>":
+        if value in stack:  # recursion: the function's own key is being computed
+            return f"recursive:{value.__qualname__}"
+        if len(stack) > PREDICATE_KEY_DEPTH:
+            raise _Unkeyable(f"calls {value.__qualname__} through more than {PREDICATE_KEY_DEPTH} functions")
+        try:
+            return f"function:{_function_key(value, stack)}"
+        except _Unkeyable as e:
+            raise _Unkeyable(f"calls {value.__qualname__}, which {e}") from None
+    raise _Unkeyable(f"reads {what} ({type(value).__name__}), which has no stable key")
+
+
+def _global_names(code) -> set[str]:
+    """The globals a code object (and the code nested in it) loads."""
+    import dis
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+def _function_key(fn: Callable, stack: tuple = ()) -> str:
+    """A function by its source, defaults, closure cells and the globals its code loads; ``stack``: the
+    functions whose key is being computed (their calls led here)."""
+    stack = stack + (fn,)
+    try:
+        parts = [fn.__module__ or "", fn.__qualname__, inspect.getsource(fn)]
+    except (OSError, TypeError):
+        raise _Unkeyable(f"has no source file ({fn.__qualname__} was not defined in a file)") from None
+    parts += [_value_key(v, f"a default argument of {fn.__qualname__}", stack) for v in fn.__defaults__ or ()]
+    parts += [f"{k}={_value_key(v, f'default argument {k!r}', stack)}"
+              for k, v in sorted((fn.__kwdefaults__ or {}).items())]
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            raise _Unkeyable(f"reads closure variable {name!r} before it is assigned") from None
+        parts.append(f"{name}={_value_key(value, f'closure variable {name!r}', stack)}")
+    for name in sorted(_global_names(fn.__code__)):
+        if name in fn.__globals__:  # otherwise a builtin (or undefined): nothing the user changes
+            parts.append(f"{name}={_value_key(fn.__globals__[name], f'global {name!r}', stack)}")
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+
+
+def predicate_key(fn: Callable) -> tuple[str | None, str]:
+    """``(key, "")`` for a predicate, or ``(None, why)`` when what it reads has no stable key.
+
+    ``fn.cache_hash`` wins when present. Otherwise a function is keyed by its source, default arguments,
+    closure cells and the globals its code (nested code included) loads, each by value for plain values
+    (numbers, strings, bools, None, dtypes, devices, tuples / frozensets of those), by ``cache_hash`` where
+    an object has one, by this same key for the module-level functions it calls (``PREDICATE_KEY_DEPTH``
+    deep), by name for modules, classes and ops. A lambda (its source line may hold others), a callable
+    object, or anything else read makes the predicate uncacheable. Computed at each compile: a global
+    changed after the backend was built changes the key."""
+    hashed = getattr(fn, "cache_hash", None)
+    if hashed is not None:
+        return str(hashed), ""
+    if not inspect.isfunction(fn):
+        return None, f"is a {type(fn).__name__} object without a `cache_hash`"
+    if fn.__name__ == "<lambda>":
+        return None, "is a lambda (its source line does not identify it)"
+    try:
+        return _function_key(fn), ""
+    except _Unkeyable as e:
+        return None, str(e)
+
+
 @dataclass(frozen=True)
 class PredicateSelector:
-    """A user predicate ``fn(node) -> bool``. Its cache key is ``fn.cache_hash`` or its source text."""
+    """A user predicate ``fn(node) -> bool``. Its cache key (:func:`predicate_key`) is computed at each
+    compile, from ``fn.cache_hash`` or from what ``fn`` reads."""
 
     fn: Callable[[torch.fx.Node], bool]
     name: str
-    cache_key: str | None  # None: the compile caches are bypassed (a lambda or closure without cache_hash)
 
     @classmethod
     def from_callable(cls, fn: Callable[[torch.fx.Node], bool]) -> "PredicateSelector":
-        name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        key = getattr(fn, "cache_hash", None)
-        if key is None and inspect.isfunction(fn) and fn.__name__ != "<lambda>" and not fn.__closure__:
-            try:
-                key = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-            except (OSError, TypeError):
-                key = None
-        return cls(fn, name, None if key is None else str(key))
+        return cls(fn, getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+    def key(self) -> tuple[str | None, str]:
+        """``(key, "")``, or ``(None, why)`` when the compile caches must be bypassed (see predicate_key)."""
+        return predicate_key(self.fn)
+
+    @property
+    def cache_key(self) -> str | None:  # None: the compile caches are bypassed
+        return self.key()[0]
 
     def matches_op(self, op, modules=()) -> bool:
         return False  # a node predicate has no answer for an op at run time (see sacpass.context)
@@ -378,7 +525,7 @@ def as_selector(x: SelectorLike) -> Selector:
     if callable(x):
         sel = PredicateSelector.from_callable(x)
         if sel.cache_key is None:
-            warn(f"sacpass: predicate selector {sel.name} has no stable cache key (a lambda or closure); the "
+            warn(f"sacpass: predicate selector {sel.name} has no stable cache key (it {sel.key()[1]}); the "
                  f"FX-graph and AOTAutograd caches are bypassed for backends using it. Give the predicate a "
                  f"`cache_hash` attribute (a string that changes when its logic does) to cache.")
         return sel

@@ -1,7 +1,8 @@
-"""The memory-speed frontier on the CPU: the offload action, the memory budget and the planner (issue 15).
+"""The memory-speed frontier on the CPU: the offload action, the memory budget and the planner.
 
 On the CPU the offload copies host to host (there is no device to leave): graphs, numerics and reports are
-what they are on a GPU. The GPU behaviour (pinned memory, side streams, prefetch) is tests/gpu/test_offload_cuda.py.
+what they are on a GPU. The runtime's lifecycle is tests/test_offload_runtime.py; the GPU behaviour (pinned memory, side
+streams, prefetch) is tests/gpu/test_offload_cuda.py.
 """
 from __future__ import annotations
 
@@ -120,11 +121,6 @@ def test_offload_report_round_trips_and_the_page_draws_it(toy, tmp_path):
     lines = diff_dumps({"g0": read_report(saved_dir, "g0")}, {"g0": rep})
     assert any("no longer saved" in ln and "must-save" in ln for ln in lines)
     assert any("now saved for backward" in ln and "; offload)" in ln for ln in lines)
-
-
-def test_offload_nothing_without_a_device_to_leave_is_documented():
-    from sacpass import offload
-    assert "On a CPU tensor both ops copy (host to host)" in offload.__doc__
 
 
 # ------------------------------------------------------------------------------------------ the budget

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import os
 import warnings
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -26,6 +27,7 @@ from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 
 import sacpass
+import sacpass.offload as offload_runtime
 from fuzz_ops import (ABSENT_OPS, COUNTABLE, DISCRETE_OPS, RANDOM_STEPS, S, STEP_VIEWS, STEPS, D, FuzzModel,
                       PacketCounter, Program, packet)
 from toy import grads_of
@@ -43,8 +45,8 @@ if PROFILE not in ("ci", "long"):
 
 # examples per property and profile; keep docs/reliability.md in step
 EXAMPLES = {
-    "ci": {"aot_eager": 180, "inductor": 2, "inductor_slow": 1},  # inductor_slow is skipped under "ci"
-    "long": {"aot_eager": 2000, "inductor": 20, "inductor_slow": 100},
+    "ci": {"aot_eager": 180, "offload": 40, "inductor": 2, "inductor_slow": 1},  # inductor_slow: skipped
+    "long": {"aot_eager": 2000, "offload": 400, "inductor": 20, "inductor_slow": 100},
 }[PROFILE]
 MAX_STEPS = {"ci": 4, "long": 8}[PROFILE]
 
@@ -64,6 +66,8 @@ class Case:
     strict: bool = True
     seed: int = 0
     discrete: bool = False  # sacpass's default: discrete decisions (topk, the custom top-k ops) saved
+    offload: tuple[str, ...] = ()
+    plan: tuple[int, int] | None = None  # (gpu_bytes, host_bytes) of a sacpass.Plan, min_offload_bytes=0
 
 
 @st.composite
@@ -118,14 +122,15 @@ def expected_errors(case: Case) -> tuple[type, ...]:
     present = case.program.ops()
     views = {v for s in case.program.steps for v in STEP_VIEWS.get(s, ())}
     errors: list[type] = []
-    if set(case.save) & set(case.recompute):  # the same selector in two lists: refused when built
+    lists = (case.save, case.recompute, case.offload)
+    if any(set(a) & set(b) for i, a in enumerate(lists) for b in lists[i + 1:]):  # refused when built
         return (sacpass.PolicyConflictError,)
-    if set(case.save) & views:
+    if set(case.save + case.offload) & views:
         errors.append(sacpass.SelectorError)
     if errors:  # raised at the first offending node, before the unmatched check
         return tuple(errors)
     # an explicit selector must match in a graph that holds a checkpointed region (sacpass.passes.tag_policy)
-    if case.strict and set(case.save + case.recompute) - present - views:  # no graph of the compile holds it
+    if case.strict and set(case.save + case.recompute + case.offload) - present - views:  # no graph of the compile holds it
         return (sacpass.UnmatchedSelectorError,)
     return ()
 
@@ -191,8 +196,11 @@ def check_case(case: Case, inner: str = "aot_eager") -> None:
         # caches off: the partition must run for every case
         warnings.simplefilter("always")
         try:
-            be = sacpass.backend(save=list(case.save), recompute=list(case.recompute), inner=inner,
-                                 strict=case.strict, use_registered=False, save_discrete=case.discrete)
+            plan = None if case.plan is None else sacpass.Plan(gpu_bytes=case.plan[0], host_bytes=case.plan[1],
+                                                               min_offload_bytes=0)
+            be = sacpass.backend(save=list(case.save), recompute=list(case.recompute), offload=list(case.offload),
+                                 plan=plan, inner=inner, strict=case.strict, use_registered=False,
+                                 save_discrete=case.discrete)
             model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
             out_c, x_c, packed = step(model, x, case.seed, hooks=True)
             if expected:  # selectors are checked for the whole compile when the backward starts
@@ -206,15 +214,16 @@ def check_case(case: Case, inner: str = "aot_eager") -> None:
     assert not expected, f"expected {expected} but the case compiled"
     assert len(be.reports) == 1 and len(be.results) == 1, "one graph per case (fullgraph=True)"
     report, result = be.reports[0], be.results[0]
-    unmatched = sorted(set(case.save + case.recompute) - program.ops()) if program.regions else []
+    explicit = case.save + case.recompute + case.offload
+    unmatched = sorted(set(explicit) - program.ops()) if program.regions else []
     assert sorted(report.unmatched) == unmatched
 
     # no must-save op runs again during backward (counted at run time), for ops whose backward never calls
     # them; under Inductor only ops it leaves as calls (custom ops, fallbacks) are seen, fused ones count 0
-    kept = set(case.save) | (DISCRETE_OPS & program.ops() - set(case.recompute) if case.discrete else set())
+    kept = set(case.save + case.offload) | (DISCRETE_OPS & program.ops() - set(case.recompute) if case.discrete else set())
     counted = [op for op in kept if op in COUNTABLE and op in program.ops()]
     counter = PacketCounter([packet(op) for op in counted])
-    absent = sorted(set(case.save + case.recompute) - program.ops())
+    absent = sorted(set(explicit) - program.ops())
     with warnings.catch_warnings(record=True) as caught_bw, counter if counted else contextlib.nullcontext():
         warnings.simplefilter("always")
         out_c.square().sum().backward()
@@ -247,6 +256,10 @@ def check_case(case: Case, inner: str = "aot_eager") -> None:
     assert report.total_bytes == backward_graph_bytes(result.backward)
     assert report.total_bytes == packed, (report.total_bytes, packed)
 
+    # the offload runtime: what the step offloaded came back, and nothing of it outlives the step
+    st = offload_runtime.stats()
+    assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+
 
 # ------------------------------------------------------------------------------------------ properties
 P = Program
@@ -273,6 +286,25 @@ P = Program
 @example(case=Case(P(("mm", "topk", "argsort", "nograd_ids"), ((0, 4),)), discrete=True))
 @example(case=Case(P(("maxdim", "topk"), ((0, 1), (1, 2))), recompute=("aten::topk",), discrete=True))
 def test_fuzz_aot_eager(case):
+    check_case(case, "aot_eager")
+
+
+@st.composite
+def offload_cases(draw):
+    """A valid case with some ops offloaded, or a plan choosing save / offload / recompute under small budgets."""
+    case = draw(cases(mistakes=("none",)))
+    pool = sorted(case.program.ops() - set(case.save + case.recompute))
+    offload = tuple(draw(st.lists(st.sampled_from(pool), max_size=2, unique=True))) if pool else ()
+    plan = draw(st.none() | st.tuples(st.integers(0, 1 << 14), st.integers(0, 1 << 16)))
+    return dataclasses.replace(case, offload=offload, plan=plan)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@fuzz_settings("offload")
+@given(case=offload_cases())
+@example(case=Case(P(("mm", "topk", "gelu"), ((0, 3),)), offload=("aten::mm",), plan=(0, 1 << 16)))
+@example(case=Case(P(("pair", "mm"), ((0, 1), (1, 2))), offload=("sacpass_toy::topk_pair",), discrete=True))
+def test_fuzz_offload_and_plan(case):
     check_case(case, "aot_eager")
 
 

@@ -59,9 +59,19 @@ def audit_partition(joint: torch.fx.GraphModule, facts: dict[str, NodeFacts], fw
         jn = joint_nodes.get(name)
         if jn is not None and name in facts and discrete(jn):
             warnings.append(f"the backward recomputes discrete decision {_where(facts[name], name)}: a recompute can "
-                            f"choose differently from the forward (drop its recompute= selector, or pass "
-                            f"save_discrete=True, to keep the forward's choice)")
+                            f"choose differently from the forward ({_keep_decision_fix(tags, name, facts[name])} to "
+                            f"keep the forward's choice)")
     return Audit(tuple(violations), tuple(warnings), tuple(kept))
+
+
+def _keep_decision_fix(tags: TagResult, name: str, facts: NodeFacts) -> str:
+    """What keeps a recomputed discrete decision: dropping the recompute= selector that chose it, or, with no
+    selector on it (save_discrete=False), saving discrete decisions again or this op by name."""
+    chosen = next((r.selector for r in tags.records if r.name == name and r.tag == "MUST_RECOMPUTE"), None)
+    if chosen is not None and not chosen.startswith("derived"):
+        return f"drop its recompute= selector {chosen}"
+    op = facts.op.rsplit(".", 1)[0]
+    return f"pass save_discrete=True (the default), or save=[{op!r}] for this op alone,"
 
 
 def _joint_node(joint: torch.fx.GraphModule, name: str) -> torch.fx.Node | None:

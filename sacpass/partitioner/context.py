@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ __all__ = ["PartitionConfig", "CompileContext", "PartitionResult", "GraphIds", "
 
 @dataclass(frozen=True)
 class PartitionConfig:
-    """Everything that decides a partition besides the graph. Enters the cache key (``key()``)."""
+    """Everything that decides a partition besides the graph. Enters the cache key (``key()``), which is
+    computed at each compile: predicate keys follow the globals they read, a Plan's host budget this host."""
 
     policy: Policy
     strict: bool = True
@@ -32,10 +34,13 @@ class PartitionConfig:
     plan: object | None = None  # a sacpass.plan.Plan (save / offload / recompute per candidate), or None
 
     def key(self) -> str | None:
+        """The policy (selectors, predicate keys, registered, defaults), strict, memory_budget and the plan
+        (its fields, cost model included, and its host budget as resolved here); None: the caches bypass."""
         policy = self.policy.cache_key()
         if policy is None:
             return None
-        return f"{policy}-{int(self.strict)}-{self.memory_budget}-{self.plan!r}"
+        plan = "None" if self.plan is None else f"{self.plan!r}:host={self.plan.host_budget()}"
+        return hashlib.sha256(f"{policy}-{int(self.strict)}-{self.memory_budget}-{plan}".encode()).hexdigest()[:20]
 
 
 class GraphIds:
@@ -62,13 +67,16 @@ class PartitionResult:
 
 @dataclass
 class CompileContext:
-    """One compile: the config, where ids come from, the checkpoint bodies routed before AOTAutograd, and the
-    partitions done (filled by the partitioner)."""
+    """One compile: the config, where ids come from, the checkpoint bodies routed before AOTAutograd, the
+    cache key it compiles under, and the partitions done (filled by the partitioner)."""
 
     config: PartitionConfig
     ids: GraphIds
     routed_checkpoints: tuple[str, ...] = ()
     results: list[PartitionResult] = field(default_factory=list)
+    owner: object = None  # the partitioner this compile is for (a context of another backend is not ours)
+    uuid: str | None = None  # the partitioner's cache key for this compile (None: the caches bypass)
+    uncached: str = ""  # why the caches bypass (the predicates and what they read), "" when they do not
 
 
 _CURRENT: contextvars.ContextVar[CompileContext | None] = contextvars.ContextVar("sacpass_compile", default=None)

@@ -9,7 +9,8 @@ A thin layer over ``min_cut_rematerialization_partition``: sacpass only adds tag
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -22,7 +23,7 @@ from ..passes.plan import plan_pass, release_regions
 from ..passes.tag_policy import tag_policy_pass
 from ..selectors import DiscreteSelector
 from .audit import audit_partition, describe_partition
-from .context import CompileContext, GraphIds, PartitionConfig, PartitionResult, current
+from .context import CompileContext, PartitionResult, current
 
 __all__ = ["partition", "SacpassPartitioner", "make_partitioner"]
 
@@ -108,6 +109,9 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     report = describe_partition(ctx.ids.next(), str(cfg.policy), facts, final_tags, fw, bw, tags, offloaded,
                                 audit, decisions, ctx.routed_checkpoints,
                                 chosen_by="budget" if cfg.memory_budget and cfg.plan is None else "min-cut")
+    if ctx.uncached:  # the report says why this graph will be partitioned again at every compile
+        note = f"compile caches bypassed: {ctx.uncached}"
+        report = dataclasses.replace(report, warnings=report.warnings + (note,))
     ctx.results.append(PartitionResult(report, text, fw, bw))
     if audit.violations:
         msg = ("sacpass: the partition does not honour the policy: " + "; ".join(audit.violations) + ". The "
@@ -124,10 +128,12 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     return fw, bw
 
 
-def make_partitioner(config: PartitionConfig, uuid: str | None):
-    """The partitioner object for ``config`` (Inductor's ``custom_partitioner_fn`` slot or ``aot_autograd``'s
-    ``partition_fn``). Built lazily: its base class comes from Inductor, which ``import sacpass`` avoids."""
-    return _partitioner_class()(config, uuid)
+def make_partitioner(open_context: Callable[[], CompileContext]):
+    """The partitioner object (Inductor's ``custom_partitioner_fn`` slot or ``aot_autograd``'s
+    ``partition_fn``). ``open_context()`` gives a context with the config and cache key as of now, for calls
+    outside a compile the backend opened. Built lazily: its base class comes from Inductor, which
+    ``import sacpass`` avoids."""
+    return _partitioner_class()(open_context)
 
 
 _CLASS = None
@@ -140,32 +146,36 @@ def _partitioner_class():
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class SacpassPartitioner(CustomPartitionerFn):
-        """``custom_partitioner_fn`` object; ``uuid()`` carries the policy into the compile-cache keys."""
+        """``custom_partitioner_fn`` object; ``uuid()`` carries the policy into the compile-cache keys. Both
+        read the compile in progress: the key is the one its backend computed when that compile started."""
 
-        def __init__(self, config: PartitionConfig, uuid: str | None):
-            self.config, self._uuid = config, uuid
-            self._ids = GraphIds()  # used only when called outside a sacpass compile (no context)
-            if uuid is not None:
-                _LIVE[uuid] = self
+        def __init__(self, open_context: Callable[[], CompileContext]):
+            self._open = open_context
+
+        def _context(self) -> CompileContext:
+            ctx = current()
+            return ctx if ctx is not None and ctx.owner is self else self._open()
 
         def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            ctx = current()
-            if ctx is None or ctx.config is not self.config:
-                ctx = CompileContext(self.config, self._ids)
-            return partition(gm, joint_inputs, ctx, **kwargs)
+            return partition(gm, joint_inputs, self._context(), **kwargs)
 
         def uuid(self) -> str | None:
-            return self._uuid
+            # Inductor reads this for the AOTAutograd and FX-graph cache keys, at each compile
+            uuid = self._context().uuid
+            if uuid is not None:
+                _LIVE[uuid] = self
+            return uuid
 
         def __deepcopy__(self, memo):  # inductor deep-copies its config; this object is shared on purpose
             return self
 
         def __reduce__(self):
-            # Inductor pickles its config into the FX-graph cache key; only the uuid identifies this object.
-            # Without a uuid (an uncacheable predicate) pickling fails, which makes the caches bypass.
-            if self._uuid is None:
+            # Inductor pickles its config into the cache keys; only the uuid identifies this object. Without
+            # a uuid (an uncacheable predicate) pickling fails, which makes the caches bypass.
+            uuid = self.uuid()
+            if uuid is None:
                 raise TypeError("sacpass partitioner without a cache key (uncacheable predicate selector)")
-            return (_partitioner_for_uuid, (self._uuid,))
+            return (_partitioner_for_uuid, (uuid,))
 
     _CLASS = SacpassPartitioner
     return _CLASS

@@ -10,10 +10,13 @@ would then match nothing, while ``checkpoint(layer, x)`` works. Module scoping m
 
 Requires: the GraphModule Dynamo hands to a backend.
 Ensures: in every ``tag_activation_checkpoint`` body where some op has no module entry, the module whose
-``forward`` those ops were traced in is found from their stack trace (the ``nn.Module`` subclass whose
-``forward`` holds that file and line) and its path from the body's submodule paths (their common parent);
-that module is put at the outer end of every op's ``nn_module_stack`` in the body that lacks it. Bodies where
-every op has its module are left alone. Returns the repaired module paths.
+``forward`` those ops were traced in is found, and put at the outer end of every op's ``nn_module_stack`` in
+the body that lacks it. Its path is the common parent of the body's submodule paths. Its class comes from the
+ops' stack trace when they have one (the ``nn.Module`` subclass whose ``forward`` spans that file and line, by
+its code object: no source file is read). Dynamo leaves frames of code without a file (``python -c``,
+``exec`` of a string: file ``<string>``) out of stack traces, so when the ops have none, the class is that of
+the module at the common parent path, looked up from the compiled frame's own variables. Bodies where every
+op has its module are left alone. Returns the repaired module paths.
 """
 from __future__ import annotations
 
@@ -22,17 +25,16 @@ import re
 import torch
 import torch.fx
 
-__all__ = ["repair_module_paths_pass"]
+from ..nodes import clean_module_path, stack_frames
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+__all__ = ["repair_module_paths_pass", "compiled_frame_scopes"]
+
+_ROOT = re.compile(r"^(?P<scope>[LG])\[['\"](?P<name>[^'\"]+)['\"]\]")
 
 
 def _innermost_frame(node: torch.fx.Node) -> tuple[str, int, str] | None:
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    if not frames:
-        return None
-    file, line, func = frames[-1]
-    return file, int(line), func
+    frames = stack_frames(node.meta.get("stack_trace") or "")
+    return frames[-1] if frames else None
 
 
 def _module_classes() -> list[type]:
@@ -62,18 +64,56 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
+def compiled_frame_scopes() -> dict[str, dict]:
+    """The local and global variables of the frame Dynamo is compiling ({} outside a Dynamo compile)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # not inside a Dynamo compile, or a Dynamo without it
+        return {}
+    if tx is None:
+        return {}
+    return {"L": getattr(tx, "f_locals", None) or {}, "G": getattr(tx, "f_globals", None) or {}}
+
+
+def _module_at(path: str) -> torch.nn.Module | None:
+    """The module a Dynamo module path (``L['self'].layers.0``) names, read from the compiled frame."""
+    m = _ROOT.match(path)
+    root = compiled_frame_scopes().get(m["scope"], {}).get(m["name"]) if m else None
+    if not isinstance(root, torch.nn.Module):
+        return None
+    try:
+        return root.get_submodule(clean_module_path(path))
+    except AttributeError:
+        return None
+
+
+def _own_forward(cls: type) -> bool:
+    """Whether ``cls`` runs a forward of its own (not a torch.nn container's or the base class's)."""
+    forward = getattr(cls, "forward", None)
+    return not (getattr(forward, "__module__", "") or "").startswith("torch.nn.")
+
+
+def _owner_class(bare: list[torch.fx.Node], path: str) -> type | None:
+    """The class whose forward the module-less ops ran in (see the module docstring)."""
+    frame = next((f for f in map(_innermost_frame, bare) if f is not None), None)
+    if frame is not None:
+        return _class_defining(*frame)
+    module = _module_at(path) if path else None
+    return type(module) if module is not None and _own_forward(type(module)) else None
+
+
 def _repair_body(body: torch.fx.GraphModule) -> str | None:
     nodes = [n for n in body.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     bare = [n for n in nodes if not n.meta.get("nn_module_stack")]
     if not bare:
         return None
-    frame = next((f for f in map(_innermost_frame, bare) if f is not None), None)
-    cls = _class_defining(*frame) if frame is not None else None
-    if cls is None:
-        return None
     outer = {next(iter(n.meta["nn_module_stack"].values()))[0] for n in nodes if n.meta.get("nn_module_stack")}
     parents = {_parent(p) for p in outer}
     path = parents.pop() if len(parents) == 1 else ""
+    cls = _owner_class(bare, path)
+    if cls is None:
+        return None
     if not path:  # no submodule to place it: the module is known by class only
         path = f"L['<checkpoint>'].{cls.__name__}"
     entry = (path, cls)

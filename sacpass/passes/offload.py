@@ -48,6 +48,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
     done: dict[str, str] = {}
     index = 0
     fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    bw_order = {n: i for i, n in enumerate(backward.graph.nodes)}
     saved = sorted(((pos, node) for pos, node in enumerate(outputs) if pos >= num_fwd_outputs
                     and isinstance(node, torch.fx.Node) and node.name in marks and node.op != "placeholder"
                     and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
@@ -63,7 +64,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         placeholder = bw_inputs[node.name]
         device = placeholder.meta["val"].device
         placeholder.meta["val"] = host.meta["val"]
-        first = min(placeholder.users, key=lambda u: list(backward.graph.nodes).index(u), default=None)
+        first = min(placeholder.users, key=bw_order.__getitem__, default=None)
         if first is None:
             continue
         with backward.graph.inserting_before(first):

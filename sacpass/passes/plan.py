@@ -32,6 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import warn
 from ..nodes import backward_part, is_getitem, is_view, module_path, node_op, op_name, size_hint, unpackers
+from ..offload import host_limit, pool_bytes
 from ..plan import CostModel, Plan
 from ..report import PLAN, Decision
 from .tag_policy import OFFLOAD, TagResult
@@ -185,6 +186,16 @@ def release_regions(graph: torch.fx.Graph) -> int:
     return n
 
 
+def _check_host_limit(plan: Plan) -> None:
+    """A plan whose host budget, over its layers, passes the offload runtime's limit would stop a step with an
+    OffloadError once the pool reaches the limit: say so when the plan is made, not hours into a run."""
+    per_step = plan.host_budget() * plan.layers
+    if per_step > host_limit():
+        warn(f"sacpass: Plan(host_bytes={plan.host_bytes}, layers={plan.layers}) may offload {per_step} bytes a step, "
+             f"more than the host pool may hold ({host_limit()} bytes, sacpass.offload.set_host_limit); a step that "
+             f"offloads that much raises OffloadError. Lower Plan(host_bytes=...) or raise the limit.")
+
+
 def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
               plan: Plan | None) -> tuple[Decision, ...]:
     """Tag the candidates (see the module docstring); returns one Decision per candidate. A memory budget
@@ -204,6 +215,7 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     total = sum(c.nbytes for c in cands.values())
     gpu_left = int(memory_budget * total) if memory_budget is not None else plan.gpu_bytes
     host_left = plan.host_budget()
+    _check_host_limit(plan)
     forward_s = sum(node_seconds(n, cost) for n in graph.nodes if n.op == "call_function" and n not in backward)
     copy_left = plan.hide * forward_s * cost.copy_bytes_per_s
     keep_reason = PLAN
@@ -214,8 +226,8 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             gpu_left -= c.nbytes
             action, why = "save", "fits the device budget"
             _tag(tags, c, keep_reason, offload=False)
-        elif c.nbytes >= plan.min_offload_bytes and c.nbytes <= host_left and c.nbytes <= copy_left:
-            host_left -= c.nbytes
+        elif c.nbytes >= plan.min_offload_bytes and pool_bytes(c.nbytes) <= host_left and c.nbytes <= copy_left:
+            host_left -= pool_bytes(c.nbytes)  # what the host pool really hands out for it
             copy_left -= c.nbytes
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             _tag(tags, c, OFFLOAD, offload=True)
@@ -223,7 +235,7 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             action = "recompute"
             if c.nbytes < plan.min_offload_bytes:
                 why = f"device budget spent; under min_offload_bytes ({plan.min_offload_bytes})"
-            elif c.nbytes > host_left:
+            elif pool_bytes(c.nbytes) > host_left:
                 why = "device and host budgets spent"
             else:
                 why = "device budget spent; the copy window is full"

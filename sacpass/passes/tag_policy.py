@@ -36,6 +36,7 @@ OFFLOAD_KEY = "sacpass_offload"  # node.meta key: the offload selector (or plan)
 
 # why a node was tagged (TagRecord.reason), also the report's reason for a saved tensor
 MUST_SAVE, DISCRETE, OFFLOAD, RECOMPUTE = "must-save", "discrete", "offload", "recompute"
+_DISCRETE = DiscreteSelector()
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,19 @@ def _action(node: torch.fx.Node, policy: Policy) -> tuple[str, object] | None:
     return ("save", default) if default is not None else None
 
 
+def _save_reason(node: torch.fx.Node, action: str, sel) -> str:
+    """Why a selected node is kept. A selection that returns (values, indices) and is saved explicitly is kept
+    as a discrete decision too: its indices in their narrowest form, its values rebuilt by a gather."""
+    if action == "offload":
+        return OFFLOAD
+    if isinstance(sel, DiscreteSelector):
+        return DISCRETE
+    op = node_op(node)
+    if node.target is op and op._schema.name in VALUE_INDEX_OPS and _DISCRETE(node):
+        return DISCRETE
+    return MUST_SAVE
+
+
 def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy) -> TagResult:
     """Tag the nodes ``policy`` selects. Returns what was tagged; raises on refused or conflicting input."""
     graph = gm.graph
@@ -190,7 +204,7 @@ def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy) -> TagResult:
             result.add(node, CheckpointPolicy.MUST_RECOMPUTE, RECOMPUTE, str(sel))
             continue
         _refuse_unsaveable(node, sel)
-        reason = DISCRETE if isinstance(sel, DiscreteSelector) else OFFLOAD if action == "offload" else MUST_SAVE
+        reason = _save_reason(node, action, sel)
         targets = [node] + unpackers(node)
         for t in targets:
             result.add(t, CheckpointPolicy.MUST_SAVE, reason, str(sel), offload=action == "offload")

@@ -1,4 +1,4 @@
-"""Offload on the GPU (issue 15): pinned host memory, side streams, prefetch across per-layer graphs, Inductor.
+"""Offload on the GPU: pinned host memory, side streams, prefetch across per-layer graphs, Inductor.
 
 A stack of toy DSA layers, each compiled on its own (one compiled graph per layer, as the model's layers are),
 with ``offload=["aten::addmm"]`` (the MLP's first GEMM output). Checks: numerics equal the same compile with
@@ -101,3 +101,100 @@ def test_planner_on_cuda_matches_full_recompute():
     plan_be = results["plan"][1]
     assert any(d.action == "offload" for r in plan_be.reports for d in r.decisions)
     assert sum(r.host_bytes for r in plan_be.reports) > 0
+
+
+# ------------------------------------------------------------------------------------------ lifecycle
+def _stack(options, seed=0):
+    be = sacpass.backend(inner="inductor", **options)
+    torch.manual_seed(seed)
+    return Stack(be).cuda(), be
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
+
+
+def _counters(st):
+    return st.offloaded_bytes, st.reloaded_bytes, st.prefetched_bytes, st.waited_reloads, st.dropped_prefetch_bytes
+
+
+def test_forwards_without_backward_leave_nothing_on_cuda():
+    torch._dynamo.reset()
+    model, be = _stack({"offload": ["aten::addmm"]})
+    x = torch.randn(2048, 256, device="cuda")
+    _step(model, x)
+    offload_runtime.reset_stats()
+    expected = _step(model, x)
+    clean = _counters(offload_runtime.stats())
+    for _ in range(20):  # an eval loop under grad: no backward
+        out = model(x.clone().requires_grad_(True))
+        del out
+    torch.cuda.synchronize()
+    st = offload_runtime.stats()
+    assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+    offload_runtime.reset_stats()
+    grads = _step(model, x)
+    assert _counters(offload_runtime.stats()) == clean
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    st = offload_runtime.stats()
+    assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+
+
+def test_an_unconsumed_prefetch_is_freed_when_its_backward_ends():
+    torch._dynamo.reset()
+    model, be = _stack({"offload": ["aten::addmm"]})
+    x = torch.randn(2048, 256, device="cuda")
+    _step(model, x)
+    kept = model(x.clone().requires_grad_(True))  # its backward comes later: the next step prefetches it
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    offload_runtime.reset_stats()
+    _step(model, x)
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
+    st = offload_runtime.stats()
+    assert st.dropped_prefetch_bytes == be.reports[0].host_bytes, st.format()
+    assert torch.cuda.memory_allocated() == before  # the dropped copy's device memory went back
+    kept.float().square().mean().backward()  # and the kept forward's own backward still reloads it
+    del kept
+    assert offload_runtime.stats().bundles_alive == 0
+
+
+def test_two_models_interleaved_on_one_gpu():
+    torch._dynamo.reset()
+    (m1, be1), (m2, _) = _stack({"offload": ["aten::addmm"]}, 0), _stack({"offload": ["aten::addmm"]}, 1)
+    x1, x2 = torch.randn(2048, 256, device="cuda"), torch.randn(2048, 256, device="cuda")
+    ref1, ref2 = _step(m1, x1), _step(m2, x2)
+    for m in (m1, m2):
+        m.zero_grad(set_to_none=True)
+    offload_runtime.reset_stats()
+    a, b = x1.clone().requires_grad_(True), x2.clone().requires_grad_(True)
+    o1, o2 = m1(a), m2(b)  # F1 F2 B1 B2
+    o1.float().square().mean().backward()
+    o2.float().square().mean().backward()
+    torch.cuda.synchronize()
+    st = offload_runtime.stats()
+    assert st.prefetched_bytes == 2 * (N_LAYERS - 1) * be1.reports[0].host_bytes, st.format()
+    assert st.dropped_prefetch_bytes == 0
+    got1 = [p.grad for p in m1.parameters() if p.grad is not None] + [a.grad]
+    got2 = [p.grad for p in m2.parameters() if p.grad is not None] + [b.grad]
+    assert all(torch.equal(g, r) for g, r in zip(got1 + got2, ref1 + ref2))
+
+
+def test_the_pool_is_what_pytorchs_pinned_allocator_holds():
+    torch._dynamo.reset()
+    offload_runtime.release_host_memory()
+    base = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    model, be = _stack({"offload": ["aten::addmm"]})
+    x = torch.randn(2048, 256, device="cuda")
+    _step(model, x)
+    st = offload_runtime.stats()
+    held = torch.cuda.host_memory_stats()["allocated_bytes.current"] - base
+    assert st.peak_host_bytes_held > 0 and abs(held - st.host_bytes_held) <= 0.05 * st.host_bytes_held, (held, st.format())
+    assert st.peak_host_bytes >= N_LAYERS * be.reports[0].host_pool_bytes

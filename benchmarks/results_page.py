@@ -1,0 +1,486 @@
+"""docs/results.md from the files in benchmarks/results/: one section per measurement, its tables, plots, the
+command that reproduces it, the commit, versions and machine.
+
+    python3 benchmarks/results_page.py            # rewrite docs/results.md and its plots (docs/results/*.png)
+    python3 benchmarks/results_page.py --check    # exit 1 when docs/results.md is not what the files give
+
+Every results file is JSON with a ``meta`` object (``META_KEYS``), or another file (Nsight Compute text) with
+a ``<name>.meta.json`` beside it holding that object. ``meta["kind"]`` picks the section's renderer. The
+markdown depends on the JSON only; the plots need matplotlib and are written with fixed sizes, dpi and no
+software or date in their metadata. ``--check`` compares the markdown (and that each plot it names exists),
+so it needs no matplotlib and does not depend on the plotting library's version.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+PAGE = os.path.join(ROOT, "docs", "results.md")
+REGEN = "python3 benchmarks/results_page.py"
+META_KEYS = ("kind", "title", "about", "command", "commit", "torch", "tilelang", "cuda", "machine")
+NAME_RULE = re.compile(r"(run|issue)[0-9]+", re.I)      # a results file is named by what it measures, never a run
+KIND_ORDER = ("topk_op", "logits_sweep", "select_sweep", "topk_host", "ncu", "sparse_mla", "experts", "layer",
+              "layer_profile", "model", "sac_vs_sacpass", "router_drift")
+ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "select_sweep_64k_h200.json", "topk_host_64k_h200.json",
+         "ncu_logits_32k_h200.txt", "ncu_select_32k_h200.txt", "sparse_mla_64heads_16k_h200.json",
+         "sparse_mla_16heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
+         "layer_16k_128k_h200.json", "profile_layer_64k_fp8experts_h200.json", "frontier_1layer_h200.json",
+         "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
+         "budget_solvers_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
+# the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
+VARIANT_LABELS = {"session_start": "previous kernels (`PREVIOUS_*`)", "default": "default"}
+
+
+class ResultsError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+def load(results_dir: str = RESULTS) -> list[dict]:
+    """Every measurement: {"name", "meta", "data" (the JSON, or None), "file" (the raw file for sidecars)}."""
+    entries = []
+    names = sorted(os.listdir(results_dir))
+    for name in names:
+        path = os.path.join(results_dir, name)
+        if NAME_RULE.search(name):
+            raise ResultsError(f"{name}: results files are named by what they measure, not by run or issue")
+        if name.endswith(".meta.json"):
+            raw = name[: -len(".meta.json")]
+            if raw not in names:
+                raise ResultsError(f"{name}: describes {raw}, which is not in {results_dir}")
+            with open(path) as f:
+                meta = json.load(f).get("meta")
+            entries.append({"name": raw, "meta": meta, "data": None, "file": os.path.join(results_dir, raw)})
+        elif name.endswith(".json"):
+            with open(path) as f:
+                data = json.load(f)
+            entries.append({"name": name, "meta": data.get("meta"), "data": data, "file": path})
+        elif name + ".meta.json" not in names:
+            raise ResultsError(f"{name}: not JSON and no {name}.meta.json beside it (command, commit, versions)")
+    for e in entries:
+        meta = e["meta"]
+        if not isinstance(meta, dict):
+            raise ResultsError(f"{e['name']}: no \"meta\" object")
+        missing = [k for k in META_KEYS if not meta.get(k)]
+        if missing:
+            raise ResultsError(f"{e['name']}: meta lacks {', '.join(missing)}")
+        if meta["kind"] not in RENDER:
+            raise ResultsError(f"{e['name']}: unknown meta kind {meta['kind']!r} (one of {', '.join(KIND_ORDER)})")
+    entries.sort(key=lambda e: (ORDER.index(e["name"]) if e["name"] in ORDER else len(ORDER),
+                                KIND_ORDER.index(e["meta"]["kind"]), e["name"]))
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+
+def f(x, spec=".2f", none="-"):
+    if x is None or x == "":
+        return none
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, (int, float)):
+        return format(x, spec)
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out + [""]
+
+
+def kb(S) -> str:
+    return f"{int(S) // 1024}K"
+
+
+def label(v: str) -> str:
+    return VARIANT_LABELS.get(v, f"`{v}`")
+
+
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+# ---------------------------------------------------------------------------------------------- renderers
+# each: (entry, plots) -> markdown lines; ``plots`` collects (png name, draw function) to write
+
+def r_topk_op(e, plots):
+    out = ["The op, bf16 and FP8, ms:", ""]
+    rows = []
+    for t in e["data"]["topk"]:
+        rows.append([kb(t["S"]), f(t.get("tilelang_ms")), f(t.get("fp8_ms")), f(t.get("fp8_speedup"), ".3f"),
+                     f"{f(t.get('fp8_id_overlap_mean'), '.3f')} / {f(t.get('fp8_id_overlap_min'), '.3f')}"])
+    out += table(["S", "bf16 op", "FP8 op", "FP8 speedup", "FP8 vs bf16 ID overlap (mean / worst row)"], rows)
+    out += ["FP8 op variants, ms (medians of the rounds; back to back: calls queued without a synchronisation "
+            "between them, as in a training step):", ""]
+    rows = []
+    for t in e["data"]["topk"]:
+        for v, ms in t.get("fp8_variants_ms", {}).items():
+            k = t.get("fp8_variants_kernels_ms", {}).get(v, {})
+            rows.append([kb(t["S"]), label(v), f(ms), f(t.get("fp8_variants_back_to_back_ms", {}).get(v)),
+                         f"{f(k.get('indexer_logits_kernel'))} + {f(k.get('topk_select_kernel'))}",
+                         f(t.get("fp8_variants_peak_gib", {}).get(v)),
+                         f(t.get("fp8_variants_same_ids_rows", {}).get(v), ".5f")])
+    out += table(["S", "variant", "synchronised", "back to back", "kernels: logits + select", "peak GiB",
+                  "rows with the default's ID set"], rows)
+    name = "topk_op_h200.png"
+    plots.append((name, lambda path: plot_topk(e["data"], path)))
+    return out + [f"![FP8 op per variant]({'results/' + name})", ""]
+
+
+def r_logits_sweep(e, plots):
+    rows = []
+    for s in e["data"]["logits_sweep"]:
+        opts = ", ".join(f"{k}={s[k]}" for k in ("epilogue", "min_blocks", "block_N", "num_stages") if k in s)
+        rows.append([kb(s["S"]), f"`{s['config']}`", opts or "-", s.get("dtype"), f(s.get("ms")),
+                     f(s.get("tflops"), ".0f"), f(s.get("max_rel_diff"), ".1e")])
+    return table(["S", "config", "options", "dtype", "ms", "TFLOP/s", "max rel. diff"], rows)
+
+
+def r_select_sweep(e, plots):
+    rows = []
+    for s in e["data"]["logits_sweep"]:
+        rows.append([kb(s["S"]), f"`{s['config']}`", f(s.get("direct_rank")), f(s.get("candidates"), "d"),
+                     f(s.get("threads"), "d"), f(s.get("ms")), f(s.get("same_set_rows"), ".4f")])
+    return table(["S", "config", "direct_rank", "candidates", "threads", "ms", "rows with the default's set"], rows)
+
+
+def r_topk_host(e, plots):
+    rows = []
+    for h in e["data"]["host"]:
+        rows.append([kb(h["S"]), " / ".join(f(x) for x in h["returns_ms"]), " / ".join(f(x) for x in h["done_ms"]),
+                     f(h.get("logits_launch_ms"), ".3f"), f(h.get("select_launch_ms"), ".3f")])
+    return table(["S", "host returns after, ms (per call)", "GPU done after, ms", "logits launch, host ms",
+                  "select launch, host ms"], rows)
+
+
+def _kv(row: dict, skip=()) -> list[list]:
+    return [[f"`{k}`", f(v, ".4g") if isinstance(v, float) else f(v, "d") if isinstance(v, int) else f(v)]
+            for k, v in row.items() if k not in skip and not isinstance(v, (list, dict))]
+
+
+def r_sparse_mla(e, plots):
+    out = []
+    for row in e["data"]["sparse_mla"]:
+        out += [f"S={kb(row['S'])}, {row['heads']} heads, top-k {row['topk']} (ms, TFLOP/s, TB/s):", ""]
+        out += table(["field", "value"], _kv(row, skip=("S", "heads", "topk")))
+    return out
+
+
+def r_experts(e, plots):
+    out = []
+    for row in e["data"]["experts"]:
+        out += [f"{row['rows']} rows ({kb(row['S'])} tokens x top-8) over {row['experts']} experts, "
+                f"{row['hidden']} -> {row['width']}:", ""]
+        bf, fp = row["bf16_fwd_ms"] + row["bf16_bwd_ms"], row["fp8_fwd_ms"] + row["fp8_bwd_ms"]
+        out += table(["", "forward ms", "backward ms", "forward TFLOP/s", "backward TFLOP/s"],
+                     [["bf16", f(row["bf16_fwd_ms"]), f(row["bf16_bwd_ms"]), f(row["bf16_fwd_tflops"], ".0f"),
+                       f(row["bf16_bwd_tflops"], ".0f")],
+                      ["FP8", f(row["fp8_fwd_ms"]), f(row["fp8_bwd_ms"]), f(row["fp8_fwd_tflops"], ".0f"),
+                       f(row["fp8_bwd_tflops"], ".0f")],
+                      ["bf16 / FP8", f(row["bf16_fwd_ms"] / row["fp8_fwd_ms"], ".2f") + "x",
+                       f(row["bf16_bwd_ms"] / row["fp8_bwd_ms"], ".2f") + "x",
+                       f"forward+backward {f(bf / fp, '.2f')}x", ""]])
+        if "fp8_gemms_only_fwd_ms" in row:
+            out += [f"The FP8 GEMMs alone: {f(row['fp8_gemms_only_fwd_ms'])} ms forward.", ""]
+        if row.get("fp8_fwd_profile"):
+            out += ["FP8 forward, kernels:", ""]
+            out += table(["kernel", "ms", "calls"], [[f"`{k['name'][:60]}`", f(k["ms"]), k["calls"]]
+                                                      for k in row["fp8_fwd_profile"]])
+    return out
+
+
+LAYER_COLS = ("step_ms_median", "peak_allocated_gib", "topk_bwd_runs_per_step", "loss")
+
+
+def r_layer(e, plots):
+    d = e["data"]
+    prec = ", ".join(f"{k}={d[k]}" for k in ("fp8", "fp8_experts", "fp8_indexer") if k in d)
+    out = [f"{d.get('preset')} preset ({prec}), {d.get('steps')} timed steps after {d.get('warmup')} warm-up; "
+           "step = median fwd+bwd ms; ratio = variant / `full_recompute` (control).", ""]
+    rows = []
+    for S, entry in sorted(d["seq"].items(), key=lambda kv: int(kv[0])):
+        vs = entry["variants"]
+        ctrl = vs.get("full_recompute", {}).get("step_ms_median")
+        tk = entry.get("topk", {}).get("topk_fwd_ms")
+        for v, m in vs.items():
+            if "step_ms_median" not in m:
+                rows.append([kb(S), f"`{v}`", m.get("status", "-"), "", "", "", ""])
+                continue
+            ratio = f(m["step_ms_median"] / ctrl, ".3f") if ctrl else "-"
+            rows.append([kb(S), f"`{v}`", f(m["step_ms_median"], ".1f"), ratio, f(m.get("peak_allocated_gib")),
+                         m.get("topk_bwd_runs_per_step", "-"), f(m.get("loss"), ".5f")])
+        if ctrl and tk is not None:
+            rows.append([kb(S), "limit (control - top-k fwd) / control", "", f((ctrl - tk) / ctrl, ".3f"), "",
+                         "", ""])
+    out += table(["S", "variant", "step ms", "/ control", "peak GiB", "bwd top-k runs", "loss"], rows)
+    tks = [[kb(S), f(en["topk"].get("topk_fwd_ms")), f(en["topk"].get("saved_ids_bytes", 0) / 2 ** 20, ".0f")]
+           for S, en in sorted(d["seq"].items(), key=lambda kv: int(kv[0])) if en.get("topk")]
+    if tks:
+        out += ["One top-k forward, ms, and the IDs it saves, MiB:", ""] + table(["S", "top-k fwd", "IDs MiB"], tks)
+    comp = [[f"`{v}`", kb(c.get("at_S", 0)), "cold" if c.get("cold_caches") else "shared", f(c.get("compile_s"), ".1f"),
+             c.get("graph_breaks"), c.get("unique_graphs"), f(c.get("fullgraph"))]
+            for rows_ in (d.get("compile", {}), d.get("compile_merged_runs", {})) for v, c in rows_.items()]
+    if comp:
+        out += ["Compile (first step minus a steady step, s):", ""]
+        out += table(["variant", "at S", "caches", "compile s", "graph breaks", "graphs", "fullgraph"], comp)
+    mtp = [[kb(S), f"`{v}`", f(m.get("step_ms_median"), ".1f"), f(m.get("peak_allocated_gib")),
+            m.get("topk_bwd_runs_per_step", "-")]
+           for S, en in sorted(d.get("mtp", {}).items(), key=lambda kv: int(kv[0])) for v, m in en.items()]
+    if mtp:
+        out += ["MTP layer (takes the main layer's top-k IDs):", ""]
+        out += table(["S", "variant", "step ms", "peak GiB", "bwd top-k runs"], mtp)
+    if e["meta"].get("plot") == "layer":
+        name = e["name"].replace(".json", ".png")
+        plots.append((name, lambda path: plot_layer(d, path)))
+        out += [f"![step time / control against S](results/{name})", ""]
+    if e["meta"].get("plot") == "frontier":
+        out += ["Plot: see the 16-layer frontier below (both in one figure).", ""]
+    return out
+
+
+def r_layer_profile(e, plots):
+    d = e["data"]
+    out = [f"`{d['variant']}` at S={kb(d['S'])}: {f(d['step_ms_profiled'], '.1f')} ms profiled, "
+           f"{f(d['kernel_ms_total'], '.1f')} ms of kernels.", ""]
+    tot = d["kernel_ms_total"]
+    out += table(["group", "ms", "share"], [[g, f(ms, ".1f"), f(100 * ms / tot, ".0f") + "%"]
+                                             for g, ms in sorted(d["groups_ms"].items(), key=lambda kv: -kv[1])])
+    if d.get("top_kernels"):
+        out += ["Top kernels:", ""]
+        out += table(["kernel", "ms", "calls"], [[f"`{k['name'][:70]}`", f(k.get("ms"), ".1f"), k.get("calls", "-")]
+                                                  for k in d["top_kernels"][:10]])
+    return out
+
+
+def r_model(e, plots):
+    d = e["data"]
+    a = d.get("args", {})
+    out = [f"{a.get('layers')} layers, S={kb(a.get('seq', 0))}, {a.get('steps')} timed steps after "
+           f"{a.get('warmup')} warm-up; median step in s.", ""]
+    vs = d["variants"]
+    ctrl = vs.get("control", {}).get("step_ms_median")
+    rows = []
+    for v, m in vs.items():
+        off = m.get("offload", {})
+        rows.append([f"`{v}`", f(m["step_ms_median"] / 1e3), f(m["step_ms_median"] / ctrl, ".3f") if ctrl else "-",
+                     f(m.get("peak_allocated_gib")), f(off.get("gib_per_step_each_way"), ".1f"),
+                     f(100 * off["prefetched_share"], ".1f") + "%" if off.get("gib_per_step_each_way") else "-",
+                     m.get("bw_topk_runs_first_step", "-"), f(m.get("loss"), ".4f")])
+    out += table(["variant", "step s", "/ control", "peak GiB", "host GiB per step (each way)",
+                  "reloads prefetched", "bwd top-k runs", "loss"], rows)
+    if e["meta"].get("plot") == "frontier":
+        layer = [x for x in _ENTRIES if x["meta"].get("plot") == "frontier" and x["meta"]["kind"] == "layer"]
+        name = "frontier_h200.png"
+        sources = [x["data"] for x in layer] + [d]
+        plots.append((name, lambda path: plot_frontier(sources, path)))
+        out += [f"![step time against peak memory]({'results/' + name})", "",
+                "Plot: " + ", ".join(f"`{x['name']}`" for x in layer + [e]) + " (`benchmarks/plot_frontier.py`).", ""]
+    return out
+
+
+def r_sac_vs_sacpass(e, plots):
+    d = e["data"]
+    rows = []
+    for side in ("pytorch_sac", "sacpass"):
+        s = d[side]
+        rows.append([f"`{side}`", s["saved"], f(s["total_bytes"] / 2 ** 20, ".1f"), s["recomputed_ops"],
+                     ", ".join(f"{k} {f(v / 2 ** 20, '.1f')}" for k, v in sorted(s["by_reason"].items()))])
+    out = table(["", "saved tensors", "saved MiB", "recomputed ops", "MiB by reason"], rows)
+    return out + [f"Recomputed by one and not the other: {len(d['recomputed_diff_sac_vs_sacpass'])} ops; saved by "
+                  f"PyTorch SAC only: {len(d['only_sac_saves'])}, by sacpass only: {len(d['only_sacpass_saves'])}.", ""]
+
+
+def r_router_drift(e, plots):
+    d = e["data"]
+    return table(["field", "value"], _kv(d, skip=("what",)) +
+                 [["`config`", ", ".join(f"{k}={v}" for k, v in d.get("config", {}).items())]])
+
+
+NCU_METRICS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Issue Slots Busy",
+               "Executed Ipc Elapsed", "Registers Per Thread", "Achieved Occupancy")
+
+
+def parse_ncu(text: str) -> list[dict]:
+    """Each profiled launch in an Nsight Compute text report: its kernel and the first value of each metric."""
+    launches = []
+    for line in text.splitlines():
+        m = re.match(r"^  (\w+) \((\d+), \d+, \d+\)x\((\d+), \d+, \d+\)", line)
+        if m:
+            launches.append({"kernel": m.group(1), "grid": m.group(2), "block": m.group(3)})
+            continue
+        m = re.match(r"^    (\S.*?\S)\s{2,}(\S+)\s+([\d.,]+)\s*$", line)
+        if m and launches and m.group(1) in NCU_METRICS and m.group(1) not in launches[-1]:
+            launches[-1][m.group(1)] = f"{m.group(3)} {m.group(2)}"
+    return launches
+
+
+def r_ncu(e, plots):
+    with open(e["file"]) as fh:
+        launches = parse_ncu(fh.read())
+    configs = e["meta"].get("launches", [])
+    rows = [[i + 1, configs[i] if i < len(configs) else "-", f"`{L['kernel']}`", f"{L['grid']} x {L['block']}"] +
+            [f(L.get(k)) for k in NCU_METRICS] for i, L in enumerate(launches)]
+    return (table(["launch", "config", "kernel", "grid x block"] + list(NCU_METRICS), rows) +
+            [f"The full report: [`benchmarks/results/{e['name']}`](../benchmarks/results/{e['name']}).", ""])
+
+
+RENDER = {"topk_op": r_topk_op, "logits_sweep": r_logits_sweep, "select_sweep": r_select_sweep,
+          "topk_host": r_topk_host, "ncu": r_ncu, "sparse_mla": r_sparse_mla, "experts": r_experts,
+          "layer": r_layer, "layer_profile": r_layer_profile, "model": r_model,
+          "sac_vs_sacpass": r_sac_vs_sacpass, "router_drift": r_router_drift}
+_ENTRIES: list[dict] = []
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    fig.clf()
+    _plt().close(fig)
+
+
+def plot_layer(d: dict, path: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    seqs = sorted(d["seq"].items(), key=lambda kv: int(kv[0]))
+    names = sorted({v for _, en in seqs for v in en["variants"]})
+    for v in names:
+        pts = [(int(S), en["variants"][v]["step_ms_median"] / en["variants"]["full_recompute"]["step_ms_median"])
+               for S, en in seqs if "step_ms_median" in en["variants"].get(v, {})
+               and "step_ms_median" in en["variants"].get("full_recompute", {})]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=v)
+    lim = [(int(S), 1 - en["topk"]["topk_fwd_ms"] / en["variants"]["full_recompute"]["step_ms_median"])
+           for S, en in seqs if en.get("topk") and "step_ms_median" in en["variants"].get("full_recompute", {})]
+    if lim:
+        ax.plot([p[0] for p in lim], [p[1] for p in lim], "k--", label="limit")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length S (tokens)")
+    ax.set_ylabel("step time / full recompute")
+    ax.set_title(f"bench layer fwd+bwd, {d['meta']['machine']}, torch {d['meta']['torch']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_topk(d: dict, path: str) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(d["topk"]), figsize=(3.2 * len(d["topk"]), 3.6), squeeze=False)
+    for ax, t in zip(axes[0], d["topk"]):
+        vs = list(t.get("fp8_variants_ms", {}))
+        logits = [t["fp8_variants_kernels_ms"][v]["indexer_logits_kernel"] for v in vs]
+        select = [t["fp8_variants_kernels_ms"][v]["topk_select_kernel"] for v in vs]
+        call = [t["fp8_variants_ms"][v] for v in vs]
+        xs = range(len(vs))
+        ax.bar(xs, logits, label="logits kernel")
+        ax.bar(xs, select, bottom=logits, label="select kernel")
+        ax.scatter(xs, call, color="k", zorder=3, label="synchronised call")
+        ax.set_xticks(list(xs), ["previous" if v == "session_start" else v for v in vs], fontsize=8)
+        ax.set_title(f"FP8 op, S={kb(t['S'])}", fontsize=9)
+        ax.set_ylabel("ms")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower center")
+    _save(fig, path)
+
+
+def plot_frontier(sources: list[dict], path: str) -> None:
+    sys.path.insert(0, HERE)
+    import plot_frontier as pf
+    pf.draw(pf.panels(sources), path)
+
+
+# ---------------------------------------------------------------------------------------------- the page
+
+def short(sha: str) -> str:
+    return sha[:10]
+
+
+def render(entries: list[dict]) -> tuple[str, list]:
+    _ENTRIES[:] = entries
+    plots: list = []
+    lines = ["# Results", "",
+             f"Generated by `{REGEN}` from the files in `benchmarks/results/`: do not edit by hand; "
+             f"`{REGEN} --check` (run by `tests/test_results_page.py`) fails when this page and the files differ. "
+             "Each section names its file, the command that reproduces it (from the repository root), the commit "
+             "that recorded it and where it ran; a command's options are those of the scripts at that commit. A "
+             "measurement taken again replaces its file (git keeps the old one).", ""]
+    lines += ["| measurement | file | machine | date |", "|---|---|---|---|"]
+    for e in entries:
+        anchor = re.sub(r"[^a-z0-9 -]", "", e["meta"]["title"].lower()).replace(" ", "-")
+        lines.append(f"| [{e['meta']['title']}](#{anchor}) | `{e['name']}` | {e['meta']['machine']} | "
+                     f"{e['meta'].get('date', '-')} |")
+    lines.append("")
+    for e in entries:
+        m = e["meta"]
+        lines += [f"## {m['title']}", "", m["about"], ""]
+        lines += RENDER[m["kind"]](e, plots)
+        if m.get("kept"):
+            lines += [f"Kept from the command's output: {m['kept']}.", ""]
+        cmds = m["command"] if isinstance(m["command"], list) else [m["command"]]
+        lines += ["Reproduce" + (" (in this order; the later commands merge into the file):" if len(cmds) > 1 else ":"),
+                  "", "```", *cmds, "```", ""]
+        if m.get("command_note"):
+            lines += [f"Note: {m['command_note']}.", ""]
+        lines += [f"File `benchmarks/results/{e['name']}`; commit `{short(m['commit'])}` ({m.get('date', '-')}); "
+                  f"{m['machine']}, torch {m['torch']}, TileLang {m['tilelang']}, CUDA {m['cuda']}"
+                  + (f", Python {m['python']}" if m.get("python") else "") + ".", ""]
+    return "\n".join(lines).rstrip("\n") + "\n", plots
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when docs/results.md is out of date")
+    p.add_argument("--results", default=RESULTS, help=argparse.SUPPRESS)
+    p.add_argument("--page", default=PAGE, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        text, plots = render(load(args.results))
+    except (ResultsError, KeyError, ValueError) as exc:
+        print(f"results_page: {exc}", file=sys.stderr)
+        return 2
+    plot_dir = os.path.join(os.path.dirname(args.page), "results")
+    if args.check:
+        try:
+            with open(args.page) as fh:
+                current = fh.read()
+        except FileNotFoundError:
+            current = None
+        missing = [n for n, _ in plots if not os.path.exists(os.path.join(plot_dir, n))]
+        if current != text or missing:
+            what = "is missing plots " + ", ".join(missing) if current == text else "differs from benchmarks/results/"
+            print(f"results_page: {os.path.relpath(args.page, ROOT)} {what}: run `{REGEN}` and commit the result",
+                  file=sys.stderr)
+            return 1
+        return 0
+    os.makedirs(plot_dir, exist_ok=True)
+    for name, draw in plots:
+        draw(os.path.join(plot_dir, name))
+    for stale in sorted(os.listdir(plot_dir)):
+        if stale.endswith(".png") and stale not in {n for n, _ in plots}:
+            os.remove(os.path.join(plot_dir, stale))
+    with open(args.page, "w") as fh:
+        fh.write(text)
+    print(os.path.relpath(args.page, ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

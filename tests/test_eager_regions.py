@@ -1,0 +1,149 @@
+"""Checkpointed regions that run eagerly under a sacpass compile, and finding regions and their module scope
+in code whose source cannot be read (``python -c``, ``exec``)."""
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import sacpass
+import sacpass.graph_breaks as gb
+from sacpass.testing import OpCounter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class BreakingLayer(nn.Module):
+    """A checkpointed body with a graph break: Dynamo runs the whole checkpoint call eagerly."""
+
+    def __init__(self, dim=16, topk=4):
+        super().__init__()
+        self.wq, self.wv, self.topk = nn.Linear(dim, dim), nn.Linear(dim, dim), topk
+
+    def forward(self, x):
+        with torch.no_grad():
+            scores = self.wq(x) @ x.T
+            torch._dynamo.graph_break()
+            ids = torch.topk(scores, self.topk, dim=-1).indices
+        return x + self.wv(x)[ids].mean(1)
+
+
+class Model(nn.Module):
+    def __init__(self, context_fn=None):
+        super().__init__()
+        self.layers = nn.ModuleList(BreakingLayer() for _ in range(2))
+        self.context_fn = context_fn
+
+    def forward(self, x):
+        for layer in self.layers:
+            kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+            x = checkpoint(layer, x, use_reentrant=False, **kw)
+        return x.tanh()
+
+
+def _run(be, context_fn):
+    """Build a model (always at this line), compile and step it: (eager-region warnings, backward top-k runs)."""
+    torch._dynamo.reset()
+    model = Model(context_fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend=be)(torch.randn(8, 16, requires_grad=True))
+        with OpCounter("aten::topk") as calls:
+            out.sum().backward()
+    eager = [str(w.message) for w in caught if issubclass(w.category, sacpass.SacpassWarning)
+             and "runs eagerly" in str(w.message)]
+    return eager, calls.count("backward", "aten::topk")
+
+
+def test_warns_exactly_where_the_policy_does_not_hold():
+    gb._REGIONS.clear()
+    be = sacpass.backend(inner="aot_eager")
+    eager, replays = _run(be, be.context_fn())
+    assert eager == [] and replays == 0  # the context applies the policy: the top-k is not replayed
+    assert [r.holds for r in gb.eager_regions()] == [True]
+
+    eager, replays = _run(be, None)  # the same model, built at the same line, without the context
+    assert replays == 2  # both layers replay their top-k
+    assert len(eager) == 1, eager
+    assert "layers.0 (BreakingLayer)" in eager[0] and "test_eager_regions.py" in eager[0]
+    assert "context_fn=backend.context_fn()" in eager[0] and "fullgraph=True" in eager[0]
+
+    eager, _ = _run(be, None)  # the same region and context again: said once
+    assert eager == []
+
+
+def test_a_context_with_another_policy_is_named():
+    gb._REGIONS.clear()
+    be = sacpass.backend(inner="aot_eager")
+    eager, replays = _run(be, sacpass.context_fn(save_discrete=False))
+    assert replays == 2
+    assert len(eager) == 1 and "save=[]" in eager[0] and "not this backend's" in eager[0], eager
+    assert "context_fn=backend.context_fn()" in eager[0]
+
+
+SCRIPT = textwrap.dedent("""
+    import functools, warnings
+    import torch, torch.nn as nn
+    import sacpass
+    from torch.utils.checkpoint import checkpoint
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, scale=1.0):
+            return torch.sin(self.lin(x)) * scale
+
+    class Breaking(Layer):
+        def forward(self, x, scale=1.0):
+            y = self.lin(x)
+            torch._dynamo.graph_break()
+            return torch.sin(y) * scale
+
+    class Model(nn.Module):
+        def __init__(self, cls):
+            super().__init__()
+            self.layers = nn.ModuleList(cls() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:  # transformers' GradientCheckpointingLayer form
+                x = checkpoint(functools.partial(layer.__call__, scale=2.0), x, use_reentrant=False)
+            return x
+
+    be = sacpass.backend(save=["Layer::aten::sin"], inner="aot_eager")
+    torch.compile(Model(Layer), backend=be)(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    SCOPED = sorted({t["module"] for r in be.reports for t in r.tagged if t["selector"] == "Layer::aten::sin"})
+
+    torch._dynamo.reset()
+    other = sacpass.backend(inner="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(Model(Breaking), backend=other)(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    EAGER = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+""")
+
+
+def _check(scoped, eager):
+    assert scoped == ["layers.0", "layers.1"], scoped
+    assert len(eager) == 1 and "layers.0 (Breaking)" in eager[0], eager
+
+
+def test_module_scope_and_regions_in_exec_code():
+    namespace = {"__name__": "generated"}
+    gb._REGIONS.clear()
+    exec(SCRIPT, namespace)  # file "<string>": Dynamo keeps no stack trace of it
+    _check(namespace["SCOPED"], namespace["EAGER"])
+
+
+def test_module_scope_and_regions_in_python_c():
+    script = SCRIPT + "\nprint(repr((SCOPED, EAGER)))\n"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check(*eval(r.stdout.strip().splitlines()[-1]))

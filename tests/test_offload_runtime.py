@@ -1,0 +1,282 @@
+"""The offload runtime's lifecycle on the CPU: pool, bundles, prefetch order, reload and free.
+
+The CPU path runs the same code as the GPU path (copies done synchronously, an unpinned pool), so what
+these tests pin holds there too: a forward whose backward never runs leaves nothing behind, the host limit
+counts the bytes really held, threads and interleaved microbatches prefetch their own previous layer, and a
+prefetch nobody consumes is freed when its backward ends. The GPU side is tests/gpu/test_offload_cuda.py.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import sacpass
+import sacpass.offload as rt
+from sacpass.testing import no_compile_caches
+from toy import ToyLayer
+
+N_LAYERS = 3
+OFFLOAD = {"offload": ["aten::addmm"]}
+
+
+class Stack(torch.nn.Module):
+    """Toy layers, each compiled on its own: one compiled graph execution (one bundle) per layer."""
+
+    def __init__(self, backend, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = torch.nn.ModuleList(ToyLayer() for _ in range(N_LAYERS))
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _stack(seed=0, **options):
+    be = sacpass.backend(inner="aot_eager", **(options or OFFLOAD))
+    return Stack(be, seed), be
+
+
+def _x(seed=1):
+    return torch.randn(24, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
+
+
+def _counters(st: rt.OffloadStats) -> tuple:
+    return st.offloaded_bytes, st.reloaded_bytes, st.prefetched_bytes, st.waited_reloads, st.dropped_prefetch_bytes
+
+
+def _assert_empty():
+    st = rt.stats()
+    assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+    assert not rt._ENTRIES and all(not p.pending and p.in_use == 0 for p in rt._POOLS.values())
+
+
+@pytest.fixture(autouse=True)
+def _isolated_pool():
+    rt.release_host_memory()
+    limit = rt.host_limit()
+    yield
+    rt.set_host_limit(limit)
+    rt.release_host_memory()
+
+
+@pytest.fixture
+def per_layer():
+    """Bytes one layer offloads, from the report."""
+    def read(be):
+        (rep,) = {r.host_bytes for r in be.reports}
+        return rep
+    return read
+
+
+def test_a_step_prefetches_every_layer_but_the_last(per_layer):
+    with no_compile_caches():
+        model, be = _stack()
+        _step(model, _x())  # compiles
+        rt.reset_stats()
+        _step(model, _x())
+    st = rt.stats()
+    assert st.offloaded_bytes == N_LAYERS * per_layer(be) == st.reloaded_bytes
+    assert st.prefetched_bytes == (N_LAYERS - 1) * per_layer(be), st.format()
+    assert st.bundles == N_LAYERS and st.dropped_prefetch_bytes == 0
+    _assert_empty()
+
+
+@pytest.mark.parametrize("junk", ["dropped", "exception"])
+def test_forwards_without_backward_leave_nothing_and_change_nothing(junk):
+    with no_compile_caches():
+        model, _ = _stack()
+        _step(model, _x())  # compiles
+        rt.reset_stats()
+        expected = _step(model, _x())
+        clean = _counters(rt.stats())
+
+        for _ in range(100):  # an eval loop under grad, or a loss that raises: no backward follows
+            try:
+                out = model(_x(2).requires_grad_(True))
+                if junk == "exception":
+                    raise ValueError("loss failed")
+            except ValueError:
+                pass
+            del out
+        assert rt.stats().bundles_alive == 0, rt.stats().format()
+        rt.reset_stats()
+        grads = _step(model, _x())
+    assert _counters(rt.stats()) == clean
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    _assert_empty()
+
+
+def test_a_live_forward_is_prefetched_then_freed_when_the_backward_ends(per_layer):
+    """A forward kept alive (its backward later, or never) sits before the next step's first layer in the
+    chain: that layer's backward prefetches it, nothing consumes it, and the copy is freed at the end."""
+    with no_compile_caches():
+        model, be = _stack()
+        _step(model, _x())
+        kept = model(_x(2).requires_grad_(True))
+        rt.reset_stats()
+        _step(model, _x())
+        st = rt.stats()
+        assert st.dropped_prefetch_bytes == per_layer(be), st.format()
+        assert st.bundles_alive == N_LAYERS  # the kept forward's bundles, nothing else
+        assert all(e.reload is None for e in rt._ENTRIES.values())
+        kept.square().sum().backward()  # its own backward still works
+    del kept
+    _assert_empty()
+
+
+def test_interleaved_microbatches_prefetch_their_own_layers(per_layer):
+    """F1 F2 B1 B2: each backward prefetches the layers of its own forward, none of the other's."""
+    with no_compile_caches():
+        model, be = _stack()
+        _step(model, _x())
+        x1, x2 = _x(3).requires_grad_(True), _x(4).requires_grad_(True)
+        ref1, ref2 = _step(model, _x(3)), _step(model, _x(4))
+        model.zero_grad(set_to_none=True)
+        rt.reset_stats()
+        out1, out2 = model(x1), model(x2)
+        out1.square().sum().backward()
+        out2.square().sum().backward()
+    st = rt.stats()
+    assert st.prefetched_bytes == 2 * (N_LAYERS - 1) * per_layer(be), st.format()
+    assert st.dropped_prefetch_bytes == 0
+    both = [a + b for a, b in zip(ref1[:-1], ref2[:-1])]
+    for g, r in zip([p.grad for p in model.parameters() if p.grad is not None], both):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    assert torch.equal(x1.grad, ref1[-1]) and torch.equal(x2.grad, ref2[-1])
+    del out1, out2
+    _assert_empty()
+
+
+def test_two_models_in_two_threads(per_layer):
+    steps = 4
+    with no_compile_caches():
+        models = [_stack(seed)[0] for seed in (0, 1)]
+        expected = [_step(m, _x(5 + i)) for i, m in enumerate(models)]  # compiles too
+        rt.reset_stats()
+        results, errors = [None, None], []
+        barrier = threading.Barrier(2)
+
+        def train(i):
+            try:
+                barrier.wait()
+                for _ in range(steps):
+                    results[i] = _step(models[i], _x(5 + i))
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for got, want in zip(results, expected):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    st = rt.stats()
+    layer = rt.stats().offloaded_bytes // (2 * steps * N_LAYERS)
+    assert st.prefetched_bytes == 2 * steps * (N_LAYERS - 1) * layer, st.format()
+    assert st.dropped_prefetch_bytes == 0
+    _assert_empty()
+
+
+# ------------------------------------------------------------------------------------------ the pool
+ODD = [(1000,), (3, 333), (77, 91), (5,), (4097,)]
+
+
+def _offload_all(shapes, index0=True):
+    return [torch.ops.sacpass.offload(torch.randn(*s), 0 if (index0 and i == 0) else i) for i, s in enumerate(shapes)]
+
+
+def test_the_pool_counts_the_bytes_it_really_holds():
+    hosts = _offload_all(ODD)
+    st = rt.stats()
+    slabs = [s for p in rt._POOLS.values() for s in p.slabs]
+    real = sum(s.data.untyped_storage().nbytes() for s in slabs)
+    assert st.host_bytes_held == real > 0
+    assert st.host_bytes_alive == sum(rt.pool_bytes(h.numel() * h.element_size()) for h in hosts) <= real
+    for h, s in zip(hosts, ODD):  # every host tensor lives inside a slab
+        assert any(sl.ptr <= h.data_ptr() < sl.ptr + sl.size for sl in slabs) and tuple(h.shape) == s
+    del hosts, h
+    assert rt.stats().host_bytes_alive == 0 and rt.stats().host_bytes_held == real  # kept for reuse
+    again = _offload_all(ODD)
+    assert rt.stats().host_bytes_held == real  # reused, not grown
+    del again
+    assert rt.release_host_memory() == real and rt.stats().host_bytes_held == 0
+
+
+def test_offloaded_values_round_trip_exactly():
+    xs = [torch.randn(7, 13), torch.randn(64, 64).t(), torch.randint(0, 9, (33,), dtype=torch.int32),
+          torch.randn(10, 10)[:, ::2], torch.rand(5) > 0.5, torch.randn(3, 5).to(torch.bfloat16)]
+    hosts = [torch.ops.sacpass.offload(x, i) for i, x in enumerate(xs)]
+    for x, h in zip(xs, hosts):
+        back = torch.ops.sacpass.reload(h, torch.device("cpu"))
+        assert back.dtype == x.dtype and back.shape == x.shape and torch.equal(back, x)
+    # a host tensor sacpass did not make is copied plainly
+    plain = torch.randn(4)
+    assert torch.equal(torch.ops.sacpass.reload(plain, torch.device("cpu")), plain)
+
+
+def test_the_host_limit_caps_the_bytes_held_not_the_tensor_bytes():
+    first = _offload_all([(1000,)])  # one slab
+    held = rt.stats().host_bytes_held
+    rt.set_host_limit(held)
+    logical = 0
+    kept = []
+    with pytest.raises(sacpass.OffloadError, match=r"past the limit of .*set_host_limit.*Offload less"):
+        while True:  # tensors whose bytes alone stay under the limit, until the slab is full
+            kept += _offload_all([(1000,)], index0=False)
+            logical += 4000
+            assert logical < 2 * held
+    assert rt.stats().host_bytes_held == held  # refused before allocating
+    del first, kept
+    _assert_empty()
+
+
+def test_set_host_limit_refuses_bad_values_and_gives_back_unused_slabs():
+    for bad in (-1, 1.5, True, "1G"):
+        with pytest.raises(ValueError, match="set_host_limit"):
+            rt.set_host_limit(bad)
+    hosts = _offload_all([(1000,)])
+    del hosts
+    assert rt.stats().host_bytes_held > 0
+    rt.set_host_limit(0)
+    assert rt.stats().host_bytes_held == 0
+
+
+def test_a_compiled_step_past_the_host_limit_raises_offload_error_and_leaks_nothing():
+    with no_compile_caches():
+        model, _ = _stack()
+        rt.set_host_limit(0)
+        with pytest.raises(sacpass.OffloadError, match="set_host_limit"):
+            _step(model, _x())
+    _assert_empty()
+
+
+def test_the_report_gives_tensor_and_pool_bytes(per_layer):
+    with no_compile_caches():
+        model, be = _stack()
+        _step(model, _x())
+    rep = be.reports[0]
+    assert rep.host_pool_bytes == sum(rt.pool_bytes(s.bytes) for s in rep.saved if s.on_host) >= rep.host_bytes > 0
+    assert f"{rep.host_pool_bytes} bytes of sacpass's host pool" in rep.format()
+
+
+def test_a_plan_past_the_host_limit_warns_when_it_is_made():
+    rt.set_host_limit(1 << 20)
+    with no_compile_caches(), pytest.warns(sacpass.SacpassWarning, match=r"may offload 4194304 bytes a step.*"
+                                                                            r"Lower Plan\(host_bytes"):
+        model, _ = _stack(plan=sacpass.Plan(host_bytes=1 << 20, layers=4, min_offload_bytes=0))
+        _step(model, _x())

@@ -1,0 +1,121 @@
+"""benchmarks/results/ and docs/results.md: the page is what the files give, the files follow the naming rule and
+carry their command, commit, versions and machine, and a changed file makes the check fail."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "results_page.py")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PAGE = os.path.join(ROOT, "docs", "results.md")
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("results_page", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _check(*args):
+    return subprocess.run([sys.executable, SCRIPT, "--check", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_page_in_sync_with_results():
+    r = _check()
+    assert r.returncode == 0, r.stderr
+
+
+def test_results_files_named_by_what_they_measure():
+    bad = [n for n in os.listdir(RESULTS) if re.search(r"(run|issue)[0-9]+", n, re.I)]
+    assert not bad, f"named by run or issue: {bad}"
+
+
+def test_every_result_has_meta():
+    mod = _module()
+    names = os.listdir(RESULTS)
+    for name in names:
+        if name.endswith(".json"):
+            with open(os.path.join(RESULTS, name)) as f:
+                meta = json.load(f).get("meta")
+        else:
+            assert name + ".meta.json" in names, f"{name}: no {name}.meta.json beside it"
+            continue
+        assert isinstance(meta, dict), f"{name}: no meta"
+        for key in mod.META_KEYS:
+            assert meta.get(key), f"{name}: meta lacks {key}"
+        assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]), f"{name}: commit {meta['commit']!r}"
+        cmds = meta["command"] if isinstance(meta["command"], list) else [meta["command"]]
+        assert all("/root/" not in c for c in cmds), f"{name}: command writes outside the repository"
+
+
+def test_page_wording():
+    with open(PAGE) as f:
+        text = f.read()
+    for pat in (r"\bsessions?\b", r"\bissue\s*#?[0-9]+", r"\brun\s*#?[0-9]+"):
+        assert not re.search(pat, text, re.I), f"docs/results.md says {re.search(pat, text, re.I).group(0)!r}"
+
+
+@pytest.fixture
+def copy(tmp_path):
+    shutil.copytree(RESULTS, tmp_path / "results")
+    (tmp_path / "docs").mkdir()
+    shutil.copy(PAGE, tmp_path / "docs" / "results.md")
+    shutil.copytree(os.path.join(ROOT, "docs", "results"), tmp_path / "docs" / "results")
+    return tmp_path
+
+
+def _args(tmp):
+    return "--results", str(tmp / "results"), "--page", str(tmp / "docs" / "results.md")
+
+
+def test_check_passes_on_an_unchanged_copy(copy):
+    assert _check(*_args(copy)).returncode == 0
+
+
+def test_changed_result_fails_the_check(copy):
+    path = copy / "results" / "topk_op_h200.json"
+    data = json.loads(path.read_text())
+    data["topk"][0]["fp8_ms"] += 1.0
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    r = _check(*_args(copy))
+    assert r.returncode == 1
+    assert "python3 benchmarks/results_page.py" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_new_run_named_file_or_missing_meta_is_refused(copy):
+    shutil.copy(copy / "results" / "router_drift_h200.json", copy / "results" / "router_drift_run2_h200.json")
+    r = _check(*_args(copy))
+    assert r.returncode == 2 and "run or issue" in r.stderr
+    os.remove(copy / "results" / "router_drift_run2_h200.json")
+    path = copy / "results" / "router_drift_h200.json"
+    data = json.loads(path.read_text())
+    del data["meta"]["commit"]
+    path.write_text(json.dumps(data))
+    r = _check(*_args(copy))
+    assert r.returncode == 2 and "meta lacks commit" in r.stderr
+
+
+def test_missing_plot_fails_the_check(copy):
+    os.remove(copy / "docs" / "results" / "layer_h200.png")
+    r = _check(*_args(copy))
+    assert r.returncode == 1 and "layer_h200.png" in r.stderr
+
+
+def test_plots_are_reproducible(copy):
+    pytest.importorskip("matplotlib")
+    mod = _module()
+    _, plots = mod.render(mod.load(str(copy / "results")))
+    for name, draw in plots:
+        a, b = copy / f"a_{name}", copy / f"b_{name}"
+        draw(str(a))
+        draw(str(b))
+        assert a.read_bytes() == b.read_bytes(), f"{name}: two renderings differ"
