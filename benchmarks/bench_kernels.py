@@ -8,9 +8,12 @@ with FP8 logits (``quantize_indexer``: e4m3 q and k), its time with and without 
 its ID sets overlap the bf16 kernel's (mean and worst row).
 Sparse MLA: S = Sk = --mla-seq (16K), top-k 2048 IDs taken from the top-k kernel on random data,
 heads --mla-heads; FLOPs count every slot (fwd 2*S*H*T*(576+512), bwd 2*S*H*T*(3*576+2*512)).
-Times are medians of CUDA-event timings after warm-up. Profile: the sparse MLA backward is also timed
-without its dkv scatter (an ablation built here from the production kernel: the fp32 vector atomics into
-dKV stripped from its TIR), so the scatter's share of the backward is measured.
+Times are medians of CUDA-event timings after warm-up. Profile: the sparse MLA backwards (serial and
+pipelined) are also timed without their dkv scatter (an ablation built here from the production kernels: the
+fp32 vector atomics into dKV stripped from their TIR), so the scatter's share of the backward is measured.
+Sweeps: --topk-op-seq times the FP8 op beside its OP_SWEEP variants (launch and buffer options, the logits
+kernel's register bound), --logits-sweep the logits kernel alone (LOGITS_SWEEP) and the select alone
+(SELECT_SWEEP: its numeric tunables).
 Routed experts: --experts-seq tokens x top-8 rows over 8 experts of the bench layer (hidden 6144, expert
 width 2048, balanced groups), the SwiGLU's three GEMMs forward and backward through ``glm52::grouped_mm``
 (bf16) and ``glm52::fp8_grouped_mm`` (tile-wise FP8, quantisation included), plus the FP8 GEMMs alone on
@@ -131,7 +134,8 @@ def topk_inputs(S, H=32, D=128, seed=0):
 
 def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
     """The op as the model calls it (chunked logits, then the select), bf16 and FP8 inputs; with ``parts``
-    also its kernels alone, the four-round select beside the op's, and (``reference``) the PyTorch kernel."""
+    also its kernels alone and (``reference``) the PyTorch kernel; ``variants``: OP_SWEEP names timed
+    round-robin beside the FP8 op's default."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
     q, k, w, starts, ends = topk_inputs(S)
     scale = 128 ** -0.5
@@ -153,8 +157,7 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
     # where the FP8 op's time goes: its kernels (logits, select, the padding copies) in one call
     row["fp8_kernels"] = kernel_profile(
         lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), top=6)
-    # the FP8 op's variants (OP_SWEEP) and the op as it ran at the session's start, round-robin (interleaved_ms),
-    # with the op's default among them
+    # the FP8 op's variants (OP_SWEEP), round-robin (interleaved_ms), with the op's default among them
     if variants:
         def variant(name):
             over = OP_SWEEP.get(name, {})
@@ -186,25 +189,12 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
             row["fp8_variants_peak_gib"][name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
             row["fp8_variants_same_ids_rows"][name] = float(
                 (torch.sort(same, 1).values == torch.sort(ids8, 1).values).all(1).float().mean())
-    # the same op as it ran before this session's changes, side by side
-    with mock.patch.object(tl, "LOGITS_TUNABLES", PREVIOUS_LOGITS), \
-            mock.patch.object(tl, "SELECT_TUNABLES", PREVIOUS_SELECT), \
-            mock.patch.object(tl, "LAUNCH_TUNABLES", PREVIOUS_LAUNCH):
-        row["fp8_previous_kernels_ms"] = cuda_time_ms(
-            lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), reps=reps)
-        row["previous_kernels_ms"] = cuda_time_ms(
-            lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
-        prev8 = tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
-    row["fp8_previous_kernels_id_overlap_mean"] = float(id_overlap(prev8, ids).mean())
     if not parts:
         return row, ids
-    with mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | {"candidates": 0, "sample": 0}):  # four rounds, beside
-        row["tilelang_four_round_ms"] = cuda_time_ms(
-            lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale), reps=reps)
-    # split: logits kernel alone (one chunk covers S here)
+    # split: logits kernel alone (one chunk covers S here), then the select on its logits
     H, D = 32, 128
     lk = tl.logits_kernel(H, D, torch.bfloat16, tl.cuda_target()["arch"])
-    sk = tl.compile_topk_select(topk, tl.cuda_target()["arch"])
+    sk = tl.select_kernel(topk, tl.cuda_target()["arch"])
     logits = torch.empty(S, S, dtype=torch.float32, device="cuda")
     wq = (w * scale).contiguous()
     ones = torch.ones(S, dtype=torch.float32, device="cuda")
@@ -214,17 +204,6 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
     row["select_kernel_ms"] = cuda_time_ms(lambda: sk(logits, starts, ends, out), reps=reps)
     if reference:
         row["torch_topk_on_logits_ms"] = cuda_time_ms(lambda: torch.topk(logits, topk, dim=1), reps=reps)
-    # the op's two-read select (12-bit first round, threshold bin in shared memory) on the same logits
-    sk2 = tl.select_kernel(topk, tl.cuda_target()["arch"])
-    out2 = torch.empty_like(out)
-    row["select_two_reads_ms"] = cuda_time_ms(lambda: sk2(logits, starts, ends, out2), reps=reps)
-    # the op's select until 2026-12 (one score per load, per-key atomics, the sort in shared memory)
-    sk1 = tl.compile_topk_select(topk, tl.cuda_target()["arch"], **PREVIOUS_SELECT)
-    row["select_previous_ms"] = cuda_time_ms(lambda: sk1(logits, starts, ends, out), reps=reps)
-    sk(logits, starts, ends, out)
-    row["select_two_reads_same_set_rows"] = float(
-        (torch.sort(out, 1).values == torch.sort(out2, 1).values).all(1).float().mean())
-    if reference:
         row["reference_ms"] = cuda_time_ms(lambda: _dsa_topk_kernel(q, k, w, starts, ends, topk, scale),
                                            warmup=1, reps=max(3, reps // 3))
         row["speedup_vs_reference"] = row["reference_ms"] / row["tilelang_ms"]
@@ -240,78 +219,31 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
     return row, ids
 
 
-# The top-k op as it ran before issue 13's tenth H200 session (2026-12-02), timed beside today's (pinned, so that
-# the row stays "before" when LOGITS_TUNABLES / SELECT_TUNABLES / LAUNCH_TUNABLES change): its chunks in order on
-# one stream, one logits buffer, the logits kernel's "mma" epilogue. Each pinned dict names every key of today's
-# (a test checks): the sweeps merge them into today's tunables, where a key left out would take today's value.
-# The seventh session's own start: its select with one vector a thread in flight; the eighth's: the sampled rows'
-# candidates through radix rounds (EIGHTH_SESSION_SELECT).
-SEVENTH_SESSION_LOGITS = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                          "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma",
-                          "ks_global": False}
-SEVENTH_SESSION_SELECT = {"candidates": 3072, "threads": 512, "vec": 4, "sort_elems": 8, "warp_append": False,
-                          "sample": 8, "warp_scan": True, "rank_sort": True, "sample_group": 4, "unroll": 1,
-                          "min_blocks": 3, "direct_rank": False}
-PREVIOUS_LOGITS = SEVENTH_SESSION_LOGITS                 # the seventh, eighth and ninth sessions left it as is
-EIGHTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"unroll": 2}
-PREVIOUS_SELECT = EIGHTH_SESSION_SELECT | {"direct_rank": True}
-PREVIOUS_LAUNCH = {"buffers": 1, "select_priority": 0}
-# ... before the sixth: TileLang's own logits epilogue, the select without the counting sort or grouped sample.
-SIXTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"epilogue": "tile"}
-SIXTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 4096, "rank_sort": False, "sample_group": 1}
-# ... and before the fifth. The select's register sort is today's (one uint64 per pair): the one it had then,
-# key and id apart, was dropped after that session.
-FIFTH_SESSION_LOGITS = SEVENTH_SESSION_LOGITS | {"full_tiles": False, "unchecked": False, "min_blocks": 1,
-                                                 "epilogue": "tile"}
-FIFTH_SESSION_SELECT = SEVENTH_SESSION_SELECT | {"candidates": 2048, "warp_append": True, "sample": 0,
-                                                 "warp_scan": False, "rank_sort": False, "sample_group": 1,
-                                                 "min_blocks": 1}
-
-# Tile choices of the indexer logits kernel timed side by side (--logits-sweep): name -> LOGITS_TUNABLES
-# overrides. One consumer warpgroup per CTA (threads=128) lets two CTAs share an SM, so that one's epilogue
-# (ReLU, head weights, the 32-head sum, the masked store) runs under the other's MMAs.
+# The logits kernel's register bound timed side by side (--logits-sweep): name -> LOGITS_TUNABLES overrides
 LOGITS_SWEEP = {
-    "default": {},                                                               # LOGITS_TUNABLES as they are
-    "ws_n128_t256": {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True},  # until 2026-12
-    "ws_n64_t128": {"block_N": 64, "num_stages": 2, "threads": 128, "warp_specialized": True},
-    "ws_q8_n64": {"block_Q": 8, "block_N": 64, "num_stages": 2, "threads": 256, "warp_specialized": True},
-    "n64_t128_s0": {"block_N": 64, "threads": 128, "num_stages": 0, "warp_specialized": False},
-    "q8_n64_t256_s1": {"block_Q": 8, "block_N": 64, "threads": 256, "num_stages": 1, "warp_specialized": False},
-    "q2_n64_t128_s1": {"block_Q": 2, "block_N": 64, "threads": 128, "num_stages": 1, "warp_specialized": False},
-    "n128_t256_s1": {"block_N": 128, "threads": 256, "num_stages": 1, "warp_specialized": False},
-    "s2": {"num_stages": 2},                          # two key tiles ahead in flight (cp.async), 120 registers
-    "s3": {"num_stages": 3},
-    "ks_global": {"ks_global": True},                 # the keys' scales read from global memory, not shared
+    "default": {},                                    # LOGITS_TUNABLES as they are
+    "min3": {"min_blocks": 3},                        # registers for 3 CTAs per SM
     "min5": {"min_blocks": 5},                        # <= 96 registers (the op's min_blocks=4: <= 128)
-    "regs_free": {"min_blocks": 1},                   # registers unbounded: 3 CTAs per SM
-    "ranged": {"full_tiles": False},                  # every tile's store with the per-element range test
-    "checked": {"unchecked": False},                  # the safe-memory pass's bounds tests
-    "lanes_epilogue": {"epilogue": "lanes"},          # fp32 FMAs and a 4-lane butterfly (the bf16 build's)
-    "mma_epilogue": {"epilogue": "mma"},              # until the tenth session: four 4-byte stores on half the lanes
-    "sixth_session": SIXTH_SESSION_LOGITS,            # before issue 13's sixth session: TileLang's epilogue
-    "fifth_session": FIFTH_SESSION_LOGITS,            # ... and before the fifth
+    "regs_free": {"min_blocks": 1},                   # registers unbounded
 }
 
 
 # The FP8 op's variants timed round-robin beside its default (--op-configs): name -> overrides of LAUNCH_TUNABLES
-# ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits"), SELECT_TUNABLES ("select");
-# "session_start" pins the whole of PREVIOUS_* (today: the logits kernel's "mma" epilogue).
+# ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits")
 OP_SWEEP = {
-    "session_start": {"launch": PREVIOUS_LAUNCH, "logits": PREVIOUS_LOGITS, "select": PREVIOUS_SELECT},
-    "rounds": {"select": {"direct_rank": False}},             # the sampled rows' candidates through radix rounds
     "overlap": {"launch": {"buffers": 2}},                   # the select beside the next chunk's logits, 2 buffers
     "overlap_high": {"launch": {"buffers": 2, "select_priority": -1}},   # ... its CTAs dispatched first
     "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
     "serial_4g": {"budget": 4 << 30},                        # one full-width 4 GiB buffer: half the launches
-    "ks_global": {"logits": {"ks_global": True}},            # the keys' scales from global memory
     "l3": {"logits": {"min_blocks": 3}},                     # the logits kernel's registers for 3 CTAs per SM
 }
 
 
 def sweep_logits(S, reps, names=None, select_names=None):
     """The logits kernel alone, bf16 and FP8, for each LOGITS_SWEEP entry: ms, TFLOP/s (causal: S^2/2 pairs
-    x 32 heads x 128 x 2), and the largest difference from the default tiles' logits relative to the row
-    scale (the tiles change only the order of the head sum)."""
+    x 32 heads x 128 x 2), and the largest difference from the default's logits relative to the row scale
+    (0: the register bound changes no arithmetic); then the select alone on the default bf16 logits for each
+    SELECT_SWEEP entry, with the rows whose id set is the op's select's."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
     H, D = 32, 128
     q, k, w, starts, ends = topk_inputs(S)
@@ -349,11 +281,11 @@ def sweep_logits(S, reps, names=None, select_names=None):
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
             print(json.dumps(row), flush=True)
             rows.append(row)
-    # the select's CTA size and candidate buffer, on the default bf16 logits
+    # the select's tunables, on the default bf16 logits
     topk = 2048
     ref_ids = torch.empty(S, topk, dtype=torch.int32, device="cuda")
     ids = torch.empty_like(ref_ids)
-    tl.compile_topk_select(topk, arch, candidates=3072, threads=1024)(want["bf16"], starts, ends, ref_ids)
+    tl.select_kernel(topk, arch)(want["bf16"], starts, ends, ref_ids)
     ref_sorted = torch.sort(ref_ids, 1).values
     for name, over in SELECT_SWEEP.items():
         if select_names is not None and name not in select_names:
@@ -372,27 +304,15 @@ def sweep_logits(S, reps, names=None, select_names=None):
     return rows
 
 
-# ... and before the fourth (one score per load, per-key atomics, the sort in shared memory): the sweep's row
-FOURTH_SESSION_SELECT = FIFTH_SESSION_SELECT | {"vec": 1, "sort_elems": 0, "warp_append": False}
-# The select's tunables timed side by side (--logits-sweep): name -> overrides of the op's SELECT_TUNABLES
+# The select's numeric tunables timed side by side (--logits-sweep): name -> overrides of the op's SELECT_TUNABLES
 SELECT_SWEEP = {
     "default": {},
-    "sixth_session": SIXTH_SESSION_SELECT,
-    "fifth_session": FIFTH_SESSION_SELECT,
-    "fourth_session": FOURTH_SESSION_SELECT,
-    "unsampled": {"sample": 0, "candidates": 2048},             # the 12-bit round on every row
-    "shared_sort": {"sort_elems": 0},
     "sort16": {"sort_elems": 16},                               # 16 pairs a thread: 128 sorting threads
     "sort4": {"sort_elems": 4},                                 # 4 a thread: all 512 sort
-    "lane_atomics": {"warp_append": False},
-    "vec1": {"vec": 1},
-    "hist_aggregate": {"hist_aggregate": True, "sample": 0, "candidates": 2048},
-    "no_warp_scan": {"warp_scan": False},
-    "bitonic": {"rank_sort": False},                  # the bitonic sort on every row (and no float bound)
+    "vec1": {"vec": 1},                                         # one score a load
     "ungrouped": {"sample_group": 1},                           # every 8th vector alone
     "c4096": {"candidates": 4096},
     "u1": {"unroll": 1},                                        # 1 vector a thread in flight per trip
-    "rounds": {"direct_rank": False},                           # sampled rows' candidates through radix rounds
     "u4": {"unroll": 4},
     "u4_min2": {"unroll": 4, "min_blocks": 2},                  # ... with registers for 2 CTAs per SM
     "s16": {"sample": 16},
@@ -427,15 +347,13 @@ def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), sele
     base = {"block_Q": 4} | tl.LOGITS_TUNABLES
     jobs = [("logits", (32, 128, arch, dt), base | over) for name, over in LOGITS_SWEEP.items()
             if not logits_names or name in logits_names for dt in (torch.bfloat16, torch.float8_e4m3fn)]
-    jobs += [("logits", (32, 128, arch, dt), {"block_Q": 4} | PREVIOUS_LOGITS)
-             for dt in (torch.bfloat16, torch.float8_e4m3fn)]
     jobs += [("logits", (32, 128, arch, torch.float8_e4m3fn), base | OP_SWEEP[name]["logits"])
              for name in op_names if "logits" in OP_SWEEP.get(name, {})]
     selects = list(selects) + [tl.SELECT_TUNABLES | OP_SWEEP[name]["select"]
                                for name in op_names if "select" in OP_SWEEP.get(name, {})]
     selects = [tl.SELECT_TUNABLES | over for name, over in SELECT_SWEEP.items()
                if select_names is None or name in select_names] + list(selects)
-    selects += [{}, {"candidates": 3072, "threads": 1024}, PREVIOUS_SELECT, tl.SELECT_TUNABLES | {"candidates": 0, "sample": 0}]
+    selects += [tl.SELECT_TUNABLES]
     jobs += [("select", (topk, arch), t) for t in selects]
     t0 = time.time()
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
@@ -504,15 +422,18 @@ def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
     return tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
 
 
+_DKV_ATOMICS = ("tl.atomic_addx4_elem_op", "tl.atomic_addx2_elem_op")   # the serial / pipelined scatter
+
+
 def without_dkv_scatter(prim_func):
-    """The sparse MLA backward kernel minus its dkv scatter (the ``atomic_addx4`` stores into dKV, which
-    then stays zero): what the rest of the backward costs. Profiling only: dkv is wrong."""
+    """A sparse MLA backward kernel minus its dkv scatter (the ``atomic_addx4`` / ``atomic_addx2`` stores into
+    dKV, which then stays zero): what the rest of the backward costs. Profiling only: dkv is wrong."""
     from tvm import tirx
     from tvm.tirx import stmt_functor
 
     def drop_atomics(stmt):
         call = stmt.value
-        if isinstance(call, tirx.Call) and getattr(call.op, "name", "") == "tl.atomic_addx4_elem_op":
+        if isinstance(call, tirx.Call) and getattr(call.op, "name", "") in _DKV_ATOMICS:
             return tirx.Evaluate(0)
         return None
 
@@ -527,6 +448,18 @@ def compile_bwd_without_dkv_scatter(heads, topk, sm_scale, target_arch="sm_90a",
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     kernel = tilelang.compile(without_dkv_scatter(tl.build_sparse_mla_bwd(heads, topk, sm_scale, **tunables)),
                               target={"kind": "cuda", "arch": target_arch}, pass_configs=tl.BWD_PASS_CONFIGS)
+    assert "AtomicAdd" not in kernel.get_kernel_source(), "the dkv scatter is still in the ablation kernel"
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def compile_bwd_ws_without_dkv_scatter(heads, topk, sm_scale, target_arch="sm_90a", **tunables):
+    """Stands in for ``sparse_mla_tl.compile_sparse_mla_bwd_ws`` (same signature) while the ablation is timed."""
+    import tilelang
+
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+    kernel = tilelang.compile(without_dkv_scatter(tl.build_sparse_mla_bwd_ws(heads, topk, sm_scale, **tunables)),
+                              target={"kind": "cuda", "arch": target_arch}, pass_configs=tl.FWD_PASS_CONFIGS)
     assert "AtomicAdd" not in kernel.get_kernel_source(), "the dkv scatter is still in the ablation kernel"
     return kernel
 
@@ -584,16 +517,14 @@ def bench_mla(S, H, idx, reps, with_reference):
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
             row["bwd_pipelined_tflops"] = bwd_flop / row["bwd_pipelined_ms"] / 1e9
             row["bwd_pipelined_chunk"] = tl.BWD_WS_CHUNK
-            row["bwd_pipelined_dkv_layout"] = tl.BWD_WS_DKV
             row["bwd_pipelined_dq_max_abs_diff"] = float((dq_p.float() - dq_s.float()).abs().max())
             row["bwd_pipelined_dkv_max_abs_diff"] = float((dkv_p.float() - dkv_s.float()).abs().max())
             row["bwd_pipelined_dq_max_abs_serial"] = float(dq_s.float().abs().max())
             row["bwd_pipelined_dkv_max_abs_serial"] = float(dkv_s.float().abs().max())
             del dq_p, dkv_p
             # ablation: the pipelined backward without its dkv atomics (dkv is then wrong)
-            no_scatter = functools.partial(tl.compile_sparse_mla_bwd_ws, dkv_atomics=False)
             with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
-                    mock.patch.object(tl, "compile_sparse_mla_bwd_ws", no_scatter):
+                    mock.patch.object(tl, "compile_sparse_mla_bwd_ws", compile_bwd_ws_without_dkv_scatter):
                 row["bwd_pipelined_no_dkv_scatter_ms"] = cuda_time_ms(
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
             # tuning: the other piece width of Q / dO / KV (64 columns: fewer register spills, more GEMM
@@ -604,22 +535,6 @@ def bench_mla(S, H, idx, reps, with_reference):
                     lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
         except Exception as e:  # noqa: BLE001
             row["bwd_pipelined_error"] = f"{type(e).__name__}: {e}"[:500]
-        else:
-            # last (a kernel choice that fails may leave the CUDA context unusable): the other dKV layout
-            # (BWD_WS_DKV), latent-major on wgmma with scalar atomics, or slot-major
-            other_dkv = "slot" if tl.BWD_WS_DKV == "latent" else "latent"
-            key = f"bwd_pipelined_dkv_{other_dkv}"
-            try:
-                with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
-                        mock.patch.object(tl, "BWD_WS_DKV", other_dkv):
-                    dq_o, dkv_o = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
-                    row[f"{key}_ms"] = cuda_time_ms(
-                        lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-                row[f"{key}_tflops"] = bwd_flop / row[f"{key}_ms"] / 1e9
-                row[f"{key}_dq_max_abs_diff"] = float((dq_o.float() - dq_s.float()).abs().max())
-                row[f"{key}_dkv_max_abs_diff"] = float((dkv_o.float() - dkv_s.float()).abs().max())
-            except Exception as e:  # noqa: BLE001
-                row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
     return row
 
 
@@ -711,6 +626,11 @@ def main(argv=None):
     if args.select_tunables:
         from glm52_model.ops.cuda import dsa_topk_tl as tl
         tl.SELECT_TUNABLES = tl.SELECT_TUNABLES | json.loads(args.select_tunables)
+    op_names = list(OP_SWEEP) if args.op_configs == "all" else [n for n in args.op_configs.split(",") if n]
+    unknown = sorted(set(op_names) - set(OP_SWEEP) - {"default"})
+    if unknown:
+        sys.exit(f"bench_kernels: --op-configs {','.join(unknown)}: not in OP_SWEEP; "
+                 f"choose from {', '.join(OP_SWEEP)} or 'all'")
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
     import tilelang
@@ -718,11 +638,6 @@ def main(argv=None):
               "tilelang": tilelang.__version__, "python": platform.python_version(),
               "command": " ".join(sys.argv), "topk": [], "sparse_mla": [], "experts": [], "logits_sweep": []}
     t0 = time.time()
-    op_names = list(OP_SWEEP) if args.op_configs == "all" else [n for n in args.op_configs.split(",") if n]
-    unknown = sorted(set(op_names) - set(OP_SWEEP) - {"default"})
-    if unknown:
-        sys.exit(f"bench_kernels: --op-configs {','.join(unknown)}: not in OP_SWEEP; "
-                 f"choose from {', '.join(OP_SWEEP)} or 'all'")
     if args.precompile:
         from glm52_model.ops.cuda.dsa_topk_tl import cuda_target
         precompile(args.precompile, args.topk, [n for n in args.logits_configs.split(",") if n],

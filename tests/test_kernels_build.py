@@ -1,7 +1,7 @@
 """Every TileLang kernel lowers and builds for the H200 (sm_90a) on a machine without a GPU.
 
 Needs TileLang (the `cuda` extra) and nvcc; skipped with a message otherwise. Nothing is launched.
-One build per entry of each family's ``ci_builds`` (the op's own tile choices, and each kernel variant a
+One build per entry of each family's ``ci_builds`` (the kernels the ops dispatch to, and each kernel variant a
 benchmark can switch to), TileLang's disk cache off so that nvcc really runs: 10-15 s each (about 2 minutes
 in all on a 2-core machine, serially; a process pool is used where there are >= 3 cores).
 """
@@ -45,11 +45,18 @@ def test_kernel_builds_for_sm90a(built, name):
 
 
 def test_op_logits_kernel_calls_its_epilogue(built):
-    """The FP8 logits build at the indexer's 32 heads calls the op's register epilogue (LOGITS_TUNABLES), and the
-    64-head build the one "mma_pairs" falls back to (it takes 4 queries of 32 heads a block)."""
+    """Each logits build calls the register epilogue the op dispatches it to (``logits_epilogue``): "mma_pairs" for
+    FP8 at the indexer's 32 heads (4 queries a block), "mma" for FP8 at 64 heads, "lanes" for bf16."""
+    builds = {"indexer_logits_fp8[h32,d128]": "dsa_logits::mma_pairs<32, true, true>(",
+              "indexer_logits_fp8[h64,d128]": "dsa_logits::mma<2, 64, true, true>(",
+              "indexer_logits[h32,d128]": "dsa_logits::lanes<4, 32, false, true>("}
     from glm52_model.ops.cuda import dsa_topk_tl as tl
-    h32, h64 = built["indexer_logits_fp8[h32,d128]"], built["indexer_logits_fp8[h64,d128]"]
-    if isinstance(h32, Exception) or isinstance(h64, Exception):
-        pytest.skip("a build failed (reported by test_kernel_builds_for_sm90a)")
-    assert f"dsa_logits::{tl.LOGITS_TUNABLES['epilogue']}<" in h32       # a call: the definitions are unqualified
-    assert "dsa_logits::mma<2, 64, true, true>(" in h64 and "dsa_logits::mma_pairs<" not in h64
+    assert tl.logits_epilogue(32, 4, True) == "mma_pairs" and tl.logits_epilogue(64, 2, True) == "mma"
+    assert tl.logits_epilogue(32, 4, False) == "lanes"
+    for name, call in builds.items():
+        src = built[name]
+        if isinstance(src, Exception):
+            pytest.skip("a build failed (reported by test_kernel_builds_for_sm90a)")
+        assert call in src, f"{name}: no call {call}"          # a call: the definitions are unqualified
+        others = {"mma_pairs", "mma", "lanes"} - {call.split("::")[1].split("<")[0]}
+        assert not any(f"dsa_logits::{o}<" in src for o in others), f"{name} calls another epilogue"

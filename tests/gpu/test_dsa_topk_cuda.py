@@ -18,10 +18,20 @@ SCORE_TOL = 1e-4  # relative to the row's score scale
 # logits differ from their fp32 math by up to ~2^-14 of each head's sum of |q_d k_d|: near-ties are wider
 # (measured on the H200: at most 8.1e-4 of the row scale at S=2500, 3.9e-4 at S=700).
 FP8_SCORE_TOL = 2.0 ** -9
-# |register epilogue - TileLang's| <= tol * sum_h |w_h| relu(q_h . k) * ks: "lanes" reorders fp32 sums; "mma"
+# the register epilogue's own rounding, relative to sum_h |w_h| relu(q_h . k) * ks: "lanes" sums in fp32; "mma"
 # rounds each ReLU'd product and each weight to bf16 (2^-9 relative each) before its fp32 tensor-core sum
 # ("mma_pairs": the same roundings, its fp32 sums in another order)
 EPILOGUE_TOL = {"lanes": 2.0 ** -18, "mma": 2.0 ** -7, "mma_pairs": 2.0 ** -7}
+
+
+def _exact_topk(scores, starts, ends, topk):
+    """The exact top-k ids of each row's [start, end): by score desc, then id asc; -1 padded."""
+    keys = torch.arange(scores.shape[1], device=scores.device)
+    valid = (keys >= starts[:, None].long()) & (keys < ends[:, None].long())
+    idx = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=1, descending=True, stable=True).indices
+    idx = idx.gather(1, torch.sort((~valid).gather(1, idx).int(), dim=1, stable=True).indices)[:, :topk]
+    n = valid.sum(1, keepdim=True)
+    return torch.where(torch.arange(idx.shape[1], device=idx.device)[None] < n, idx, -1).int()
 
 
 def _inputs(S, H, D, packed=False, seed=0, Sk=None):
@@ -178,14 +188,11 @@ def test_overlapped_chunks_capture_in_a_cuda_graph():
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("epilogue", sorted({tl_ops.LOGITS_TUNABLES["epilogue"], "mma"}))
 @pytest.mark.parametrize("S,topk,packed", [(700, 64, False), (2500, 2048, True)])
-def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed, epilogue):
+def test_fp8_logits_kernel_matches_the_fp8_reference_up_to_ties(S, topk, packed):
     """The e4m3 logits kernel (same op, ``quantize_indexer`` inputs) against its own math (the dequantised
-    scores): a correct top-k up to ties; against the bf16 kernel: overlapping sets (reported, >= 0.9). With the
-    op's epilogue and "mma" (the FP8 builds' other than 32 heads)."""
-    with mock.patch.object(tl_ops, "LOGITS_TUNABLES", tl_ops.LOGITS_TUNABLES | {"epilogue": epilogue}):
-        _fp8_logits_kernel_matches_the_fp8_reference(S, topk, packed)
+    scores): a correct top-k up to ties; against the bf16 kernel: overlapping sets (reported, >= 0.9)."""
+    _fp8_logits_kernel_matches_the_fp8_reference(S, topk, packed)
 
 
 def _fp8_logits_kernel_matches_the_fp8_reference(S, topk, packed):
@@ -209,7 +216,7 @@ def _fp8_logits_kernel_matches_the_fp8_reference(S, topk, packed):
     assert torch.equal(torch.isfinite(logits[:, :S]), fin), "masking differs"
     # the tensor cores' FP8 accumulation, plus the epilogue's own rounding ("mma": bf16 head products, bounded
     # by the sum of their magnitudes, which the weights' mixed signs make far larger than the score itself)
-    epilogue = tl_ops.LOGITS_TUNABLES["epilogue"]
+    epilogue = tl_ops.logits_epilogue(32, 4, True)
     bound = ref_dsa_scores(q8.float(), k8.float() * ks[:, None], w8.abs(), starts, ends, scale)
     allowed = FP8_SCORE_TOL * row_scale + EPILOGUE_TOL.get(epilogue, 0.0) * bound.masked_fill(~fin, 0)
     err = (logits[:, :S] - scores).abs()
@@ -221,42 +228,23 @@ def _fp8_logits_kernel_matches_the_fp8_reference(S, topk, packed):
     ref = _dsa_topk_kernel(q8, k8, w8, starts, ends, topk, scale, ks)        # PyTorch kernel, FP8 inputs
     bf16_ids = torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, topk, scale)
     overlap = id_overlap(ids, bf16_ids)
-    with mock.patch.object(tl_ops, "LOGITS_TUNABLES", tl_ops.LOGITS_TUNABLES | {"epilogue": "tile"}):
-        tile_ids = torch.ops.glm52.dsa_topk_indices(q8, k8, w8, starts, ends, topk, scale, k_scale=ks)
-    tile_overlap = float(id_overlap(tile_ids, bf16_ids).mean())
+    ref_overlap = float(id_overlap(ref, bf16_ids).mean())
     print(f"FP8 vs bf16 ID-set overlap at S={S}: mean {float(overlap.mean()):.4f}, min {float(overlap.min()):.4f} "
-          f"(TileLang's fp32 epilogue: {tile_overlap:.4f}); vs the PyTorch FP8 kernel "
+          f"(the PyTorch FP8 kernel's: {ref_overlap:.4f}); vs the PyTorch FP8 kernel "
           f"{float(id_overlap(ids, ref).mean()):.4f}")
     assert float(overlap.mean()) >= 0.9
-    # the epilogue's rounding costs the selection nothing measurable: the same overlap with the bf16 op
-    assert float(overlap.mean()) >= tile_overlap - 0.005
-    assert float(id_overlap(tile_ids, ref).mean()) >= 0.99
+    # the epilogue's rounding costs the selection nothing measurable: the fp32 reference's overlap with the bf16 op
+    assert float(overlap.mean()) >= ref_overlap - 0.005
 
 
-OP_SELECT = "op"          # the op's SELECT_TUNABLES, read when the test runs
-
-
-@pytest.mark.parametrize("tunables", [
-    {"candidates": 64},                                                         # one score per load, shared sort
-    OP_SELECT, {"candidates": 64, "sample": 0, "base": OP_SELECT},              # the op's, and it overflowing
-    {"candidates": 0, "sample": 0, "base": OP_SELECT},                          # four rounds, op's loads/sort
-    {"sort_elems": 16, "threads": 256, "vec": 8, "warp_append": False, "base": OP_SELECT},
-    {"sort_elems": 16, "threads": 256, "base": OP_SELECT},
-    {"hist_aggregate": True, "sample": 0, "base": OP_SELECT},
-    {"hist_aggregate": True, "candidates": 64, "sample": 0, "base": OP_SELECT},
-    {"warp_scan": False, "min_blocks": 1, "base": OP_SELECT},
-    {"candidates": 64, "sample": 0, "warp_scan": False, "base": OP_SELECT},
-], ids=lambda t: "op" if t == OP_SELECT else "-".join(f"{k}{v}" for k, v in t.items() if k != "base")
-         + ("-op" if isinstance(t, dict) and "base" in t else ""))
-def test_two_read_select_matches_the_four_round_select(tunables):
-    """The two-read select (12-bit first round, threshold bin in shared memory) is a correct top-k up to
-    ties on the same logits, including rows whose threshold bin overflows shared memory (candidates=64);
-    with one score per load and with vector loads (vec; rows that start and end off a vector's edge),
-    per-key or per-warp atomics for the winners' slots, and the sort in shared memory or in registers."""
-    if tunables == OP_SELECT:
-        tunables = tl_ops.SELECT_TUNABLES
-    elif tunables.get("base") == OP_SELECT:
-        tunables = tl_ops.SELECT_TUNABLES | {k: v for k, v in tunables.items() if k != "base"}
+@pytest.mark.parametrize("over", [{}, {"sort_elems": 16, "threads": 256, "vec": 8}, {"sort_elems": 16, "threads": 256},
+                                  {"vec": 1, "min_blocks": 1}, {"candidates": 4096, "sample_group": 1}],
+                         ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()) or "op")
+def test_select_is_a_correct_topk_on_packed_rows(over):
+    """The op's select (``over``: its numeric tunables changed) is a correct top-k up to ties on the same logits,
+    rows starting and ending off a vector's edge (vec), the 12-bit round's rows; on rows without ties, the exact
+    top-k in order."""
+    tunables = tl_ops.SELECT_TUNABLES | over
     S, H, D, topk = 3000, 32, 128, 2048
     q, k, w, _, ends = _inputs(S, H, D, seed=7)
     bounds = torch.tensor([0, 1001, 1503], device="cuda", dtype=torch.int32)   # documents off a vector edge
@@ -266,14 +254,35 @@ def test_two_read_select_matches_the_four_round_select(tunables):
     scores = torch.nn.functional.pad(scores, (0, Sp - S), value=float("-inf"))
     assert bool((starts % 4 != 0).any()) and bool((ends % 4 != 0).any()), "no row starts off a vector edge"
     arch = tl_ops.cuda_target()["arch"]
-    four = torch.empty(S, topk, dtype=torch.int32, device="cuda")
-    two = torch.empty_like(four)
-    tl_ops.compile_topk_select(topk, arch)(scores, starts, ends, four)
-    tl_ops.compile_topk_select(topk, arch, **tunables)(scores, starts, ends, two)
-    _check_rows(two, scores, topk, starts, ends)
-    same = (torch.sort(two, 1).values == torch.sort(four, 1).values).all(1)
+    got = torch.empty(S, topk, dtype=torch.int32, device="cuda")
+    tl_ops.compile_topk_select(topk, arch, **tunables)(scores, starts, ends, got)
+    _check_rows(got, scores, topk, starts, ends)
+    want = _exact_topk(scores, starts, ends, topk)
+    same = (torch.sort(got, 1).values == torch.sort(want, 1).values).all(1)
     assert float(same.float().mean()) >= 0.99
 
+
+def test_select_falls_back_to_the_row_when_the_bin_overflows():
+    """Rows shorter than the sampled round's whose 12-bit threshold bin holds more keys than the candidates' buffer
+    (all tied, or few distinct values) run the radix rounds on the row: still the exact top-k."""
+    topk, Sk = 2048, 8192                                   # < SAMPLE_MIN_ROW * candidates: the 12-bit round
+    g = torch.Generator(device="cuda").manual_seed(17)
+    n = 8
+    scores = torch.cat([torch.full((n, Sk), 0.75, device="cuda"),
+                        torch.randint(0, 3, (n, Sk), device="cuda", generator=g).float(),
+                        1.0 + 1e-3 * torch.rand(n, Sk, device="cuda", generator=g)])   # one 12-bit bin
+    R = scores.shape[0]
+    starts = torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
+    ends = Sk - torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
+    assert Sk < tl_ops.SAMPLE_MIN_ROW * tl_ops.SELECT_TUNABLES["candidates"]
+    got = torch.empty(R, topk, dtype=torch.int32, device="cuda")
+    tl_ops.select_kernel(topk, tl_ops.cuda_target()["arch"])(scores, starts, ends, got)
+    keys = torch.arange(Sk, device="cuda")
+    valid = (keys >= starts[:, None].long()) & (keys < ends[:, None].long())
+    scores = scores.masked_fill(~valid, float("-inf"))
+    _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
+    distinct = slice(2 * n, 3 * n)                          # distinct scores: the exact ids in order
+    assert torch.equal(got[distinct], _exact_topk(scores, starts, ends, topk)[distinct])
 
 
 def _logits_inputs(S, H, dtype, seed=5):
@@ -303,19 +312,13 @@ def _run_logits(H, dtype, tunables, inputs):
     return logits
 
 
-@pytest.mark.parametrize("over", [{}, {"min_blocks": 5}, {"full_tiles": False}, {"unchecked": False},
-                                  {"ks_global": True}])
-@pytest.mark.parametrize("epilogue", sorted({"tile", "mma", tl_ops.LOGITS_TUNABLES["epilogue"]}))
+@pytest.mark.parametrize("over", [{"min_blocks": 1}, {"min_blocks": 5}])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_logits_kernel_register_bound_writes_the_same_logits(dtype, epilogue, over):
-    """With each epilogue, the op's logits tiles (``over``: one of its store or register options taken back, or
-    a tighter register bound) write the same logits, bit for bit, as the same epilogue without the options
-    (per-element range tests and bounds checks, registers unbounded), on packed documents whose tiles
-    straddle the ranges: only the code around the arithmetic changes."""
+def test_logits_kernel_register_bound_writes_the_same_logits(dtype, over):
+    """The op's logits kernel with another register bound (``over``) writes the same logits, bit for bit, on
+    packed documents whose tiles straddle the ranges: the bound changes no arithmetic."""
     inputs = _logits_inputs(2500, 32, dtype)
-    tiles = tl_ops.LOGITS_TUNABLES | {"epilogue": epilogue}
-    plain = tiles | {k: v for k, v in tl_ops.PLAIN_LOGITS.items() if k != "epilogue"}
-    out = [_run_logits(32, dtype, t, inputs) for t in (plain, tiles | over)]
+    out = [_run_logits(32, dtype, t, inputs) for t in (tl_ops.LOGITS_TUNABLES, tl_ops.LOGITS_TUNABLES | over)]
     assert torch.equal(torch.isnan(out[0]), torch.isnan(out[1])), "the two builds cover different tiles"
     written = ~torch.isnan(out[0])
     assert bool(written[:, :2500].any())
@@ -323,43 +326,36 @@ def test_logits_kernel_register_bound_writes_the_same_logits(dtype, epilogue, ov
 
 
 @pytest.mark.parametrize("H", [16, 32, 64])
-@pytest.mark.parametrize("epilogue", ["lanes", "mma", "mma_pairs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_register_epilogues_match_tilelang_epilogue(dtype, epilogue, H):
-    """The register epilogues (the CUDA functions on the wgmma accumulator's layout) give TileLang's logits
-    within their rounding bound, with the same -inf outside each query's key range, for 1, 2 and 4 queries per
-    block; bf16 builds asked for "mma" take "lanes". A wrong register-to-(key, query, head) map would be off by
-    a head's whole weighted product, far above the bound."""
+def test_logits_kernel_matches_the_fp32_math(dtype, H):
+    """Each register epilogue the op dispatches to ("lanes": bf16; "mma": FP8 at 16 and 64 heads;
+    "mma_pairs": FP8 at 32) gives the fp32 math's logits on the same inputs within the tensor cores' accumulation
+    and its own rounding, with -inf outside each query's key range, for 2 to 8 queries a block. A wrong
+    register-to-(key, query, head) map would be off by a head's whole weighted product, far above the bound."""
     S = 2500
     inputs = _logits_inputs(S, H, dtype, seed=7)
     qq, kp, ksp, ww, starts, ends, Sp = inputs
-    base = tl_ops.LOGITS_TUNABLES | tl_ops.PLAIN_LOGITS
-    want = _run_logits(H, dtype, base, inputs)
-    got = _run_logits(H, dtype, base | {"epilogue": epilogue}, inputs)
-    assert torch.equal(torch.isnan(want), torch.isnan(got)), "the epilogues cover different tiles"
+    got = _run_logits(H, dtype, tl_ops.LOGITS_TUNABLES, inputs)
     keys = torch.arange(Sp, device="cuda")
     valid = (keys >= starts[:, None]) & (keys < ends[:, None])
-    written = ~torch.isnan(want)
+    written = ~torch.isnan(got)
+    assert bool(written[valid].all()), "a key inside the range is not written"
     assert bool(torch.isneginf(got[written & ~valid]).all()), "a key outside the range is not -inf"
-    assert bool(torch.isfinite(got[valid]).all())
+    want = ref_dsa_scores(qq.view(S, H, 128).float(), kp.float(), ww, starts, ends, 1.0) * ksp
     bound = ref_dsa_scores(qq.view(S, H, 128).float(), kp.float(), ww.abs(), starts, ends, 1.0) * ksp
-    if epilogue == "mma_pairs" and (H != 32 or dtype == torch.bfloat16):
-        epilogue = "mma"                        # the builds it takes back (4 queries of 32 FP8 heads a block)
-    tol = EPILOGUE_TOL["lanes" if dtype == torch.bfloat16 else epilogue]
+    epilogue = tl_ops.logits_epilogue(H, 128 // H, dtype != torch.bfloat16)
+    row_scale = want.masked_fill(~valid, 0).abs().amax(1, keepdim=True).clamp_min(1e-6)
+    gemm_tol = FP8_SCORE_TOL if dtype != torch.bfloat16 else SCORE_TOL
+    allowed = (gemm_tol * row_scale + EPILOGUE_TOL[epilogue] * bound)[valid]
     err = (got - want).abs()[valid]
-    assert bool((err <= tol * bound[valid] + 1e-30).all()), f"max err / bound {float((err / bound[valid]).max())}"
-    if tol > EPILOGUE_TOL["lanes"]:             # the bf16 rounding is really there (not TileLang's sums again)
-        assert float(err.max()) > 0
+    assert bool((err <= allowed + 1e-30).all()), f"{epilogue}: max err / allowed {float((err / allowed).max())}"
 
 
 SAMPLED_SELECTS = [                                        # overrides of the op's SELECT_TUNABLES ({}: the op's)
     {},
-    {"sample": 16, "candidates": 3072, "threads": 256, "min_blocks": 1},
-    {"warp_scan": False, "sort_elems": 0, "min_blocks": 1},               # Hillis-Steele, shared sort
-    {"rank_sort": False},                                                 # the bitonic sort on every row
+    {"sample": 16, "threads": 256, "min_blocks": 1},
     {"unroll": 1},                                                        # one vector a thread in flight
     {"unroll": 4},
-    {"direct_rank": not tl_ops.SELECT_TUNABLES["direct_rank"]},          # the candidates ranked at once, or not
 ]
 
 
@@ -393,31 +389,28 @@ def _long_rows(Sk, rows_per_kind, seed=3):
 def test_sampled_select_is_exact_on_long_rows(tunables):
     """The sampled first round (a bound from every sample-th vector, then one pass keeping the keys above it) is
     a correct top-k up to ties on rows long enough to take it, including rows built to make the bound miss
-    (they fall back to the four rounds on the row), and picks the four-round select's set on rows without ties."""
+    (they fall back to the rounds on the row), and the exact top-k in order on rows without ties."""
     Sk, topk = 20480, 2048                                 # >= SAMPLE_MIN_ROW * candidates keys: the sampled round
     tunables = tl_ops.SELECT_TUNABLES | tunables
     assert tunables["sample"] and Sk - 16 >= tl_ops.SAMPLE_MIN_ROW * tunables["candidates"]
     scores, starts, ends = _long_rows(Sk, 24)
     arch = tl_ops.cuda_target()["arch"]
-    four = torch.empty(scores.shape[0], topk, dtype=torch.int32, device="cuda")
-    got = torch.empty_like(four)
-    tl_ops.compile_topk_select(topk, arch)(scores, starts, ends, four)
+    got = torch.empty(scores.shape[0], topk, dtype=torch.int32, device="cuda")
     tl_ops.compile_topk_select(topk, arch, **tunables)(scores, starts, ends, got)
     _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
+    exact = _exact_topk(scores, starts, ends, topk)
     gaussian = slice(0, 24)                                # distinct scores: one right answer, the same ids in order
-    assert torch.equal(got[gaussian], four[gaussian])
+    assert torch.equal(got[gaussian], exact[gaussian])
     rising = slice(24, 48)
-    assert torch.equal(got[rising], four[rising])
+    assert torch.equal(got[rising], exact[rising])
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["winners", "direct"])
-@pytest.mark.parametrize("rank_max", [0, 1 << 30], ids=["op", "never_bitonic"])
-def test_rank_sort_orders_as_the_bitonic_sort(rank_max, direct):
-    """The counting sort of the winners gives the bitonic sort's output: the same scores in the same places, and
-    element for element the same ids (score desc, then id asc) where no tie is cut at the k-th score: on long rows (the sampled round) and short ones, Gaussian, spanning zero, with
-    pairs of equal scores, with one outlier, all tied, half -inf and shorter than top-k. With ``rank_max`` huge
-    no row falls back to the bitonic sort, whatever its buckets hold, so every row is ranked by the counting
-    sort itself. ``direct``: the sampled rows' candidates ranked at once (``direct_rank``), no radix rounds."""
+def test_select_orders_by_score_then_id():
+    """The select's order (the counting sort, or the bitonic sort where a bucket is skewed) is the exact one: the
+    same scores in the same places as the exact top-k, and element for element the same ids (score desc, then id
+    asc) where no tie is cut at the k-th score: on long rows (the sampled round) and short ones, Gaussian,
+    spanning zero, with pairs of equal scores, with one outlier (the bitonic sort), all tied, half -inf and
+    shorter than top-k."""
     topk, Sk = 2048, 20480
     g = torch.Generator(device="cuda").manual_seed(11)
     n = 8
@@ -436,20 +429,14 @@ def test_rank_sort_orders_as_the_bitonic_sort(rank_max, direct):
     ends[2::8] = starts[2::8] + 1500                         # fewer keys than top-k: -1 padded
     valid = (pos >= starts[:, None].long()) & (pos < ends[:, None].long())
     scores = scores.masked_fill(~valid, float("-inf")).contiguous()
-    arch = tl_ops.cuda_target()["arch"]
-    want = torch.empty(R, topk, dtype=torch.int32, device="cuda")
-    got = torch.empty_like(want)
-    tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": False}))(
-        scores, starts, ends, want)
-    tl_ops.compile_topk_select(topk, arch, **(tl_ops.SELECT_TUNABLES | {"rank_sort": True, "rank_max": rank_max,
-                                                                         "direct_rank": direct}))(
-        scores, starts, ends, got)
+    got = torch.empty(R, topk, dtype=torch.int32, device="cuda")
+    tl_ops.select_kernel(topk, tl_ops.cuda_target()["arch"])(scores, starts, ends, got)
+    want = _exact_topk(scores, starts, ends, topk)
     _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
-    # which of the keys tied at the k-th score make the cut is the gather's (atomic) order in both; given the
-    # set, the order is one: the same scores in the same places everywhere, the same ids where no tie is cut
     at = lambda ids: torch.gather(scores, 1, ids.long().clamp(min=0)).masked_fill(ids < 0, float("nan"))  # noqa: E731
     assert torch.equal(at(got).nan_to_num(7.0), at(want).nan_to_num(7.0))
-    srt = torch.sort(scores, 1, descending=True).values
-    uncut = srt[:, topk - 1] > srt[:, topk]
+    srt = torch.sort(scores.masked_fill(~valid, float("nan")).nan_to_num(float("-inf")), 1, descending=True).values
+    n_valid = valid.sum(1)
+    uncut = (n_valid <= topk) | (srt[:, topk - 1] > srt[:, topk])
     assert int(uncut.sum()) >= R // 2
     assert torch.equal(got[uncut], want[uncut])

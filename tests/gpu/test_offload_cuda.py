@@ -139,7 +139,8 @@ def test_forwards_without_backward_leave_nothing_on_cuda():
     offload_runtime.reset_stats()
     grads = _step(model, x)
     assert _counters(offload_runtime.stats()) == clean
-    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    for a, b in zip(grads, expected):  # the toy's index backward accumulates atomically: not bit for bit on CUDA
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     st = offload_runtime.stats()
     assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
 
@@ -184,7 +185,8 @@ def test_two_models_interleaved_on_one_gpu():
     assert st.dropped_prefetch_bytes == 0
     got1 = [p.grad for p in m1.parameters() if p.grad is not None] + [a.grad]
     got2 = [p.grad for p in m2.parameters() if p.grad is not None] + [b.grad]
-    assert all(torch.equal(g, r) for g, r in zip(got1 + got2, ref1 + ref2))
+    for g, r in zip(got1 + got2, ref1 + ref2):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
 def test_the_pool_is_what_pytorchs_pinned_allocator_holds():

@@ -3,21 +3,24 @@
 Two kernels, run per chunk of query rows:
 
 1. `build_indexer_logits`: score[i, j] = ks[j] * sum_h w[i, h] * relu(q[i, h] . k[j]) (bf16 or e4m3
-   tensor-core GEMM, fp32 accumulate; ks = the keys' FP8 dequantisation scales, ones for bf16), with the
+   tensor-core GEMM, fp32 accumulate; ks = the keys' FP8 dequantisation scales, unused for bf16), with the
    per-row key range [starts[i], ends[i]) fused in (keys outside it get -inf); key tiles wholly outside
-   the block's range are never computed.
-2. `build_topk_select`: one CTA per row; an exact 4-pass 8-bit radix select over the fp32 scores of
-   the row's key range finds the k-th largest value, a gather pass collects the winners into shared
-   memory, and a bitonic sort (with ``rank_sort``, the op's: a counting sort on their scores) orders them by
-   (score desc, key id asc). Rows with fewer valid keys
-   than top-k are padded with -1. With ``candidates`` (``SELECT_TUNABLES``): a 12-bit first round,
-   then one pass that keeps the winners and copies the threshold bin to shared memory, where the
-   other rounds run: two reads of the row instead of five. With ``sample`` as well (the op's), a long
-   row's first round runs on a sample and gives a lower bound on the k-th largest score; one pass
-   copies the keys above it to shared memory, where the exact rounds run; a row where the bound
-   missed runs the rounds on the row, so the result is exact either way.
+   the block's range are never computed. The ReLU, weights and head sum run on the GEMM accumulator's
+   registers (`_EPILOGUE_CUDA`).
+2. `build_topk_select`: one CTA per row, an exact top-k of the row's fp32 scores:
+   a. sample a threshold: on a long row, a 12-bit and then an 8-bit histogram of every ``sample``-th group of
+      vectors give ``tau``, a lower bound on the k-th largest score (with high probability); a short row takes
+      the 12-bit histogram of all its keys and its threshold bin;
+   b. collect the candidates: one pass copies the keys >= tau (or the threshold bin's keys, the keys above it
+      going straight to the winners) to shared memory;
+   c. rank: a long row's candidates are ranked at once by a counting sort and the first topk written out;
+   d. otherwise radix rounds on the candidates (or on the row, where the bound missed or the bin overflowed)
+      find the exact k-th key, a gather collects the winners, and a counting sort (or, where its buckets are
+      skewed, a bitonic sort in registers) orders them by (score desc, key id asc).
+   Rows with fewer valid keys than topk are padded with -1. The result is exact on every path.
 
-The op's `scale` is folded into the weights before the logits kernel.
+The op's `scale` is folded into the weights before the logits kernel. The measured alternatives to these
+choices are in docs/kernels.md.
 """
 
 
@@ -33,18 +36,18 @@ from ._common import cuda_target, next_pow2, pad_dim, round_up, warn_once
 
 RADIX_BITS = 8
 RADIX = 1 << RADIX_BITS
-FIRST_BITS = 12  # the two-read select's first round
+FIRST_BITS = 12  # the select's first round
 FIRST_BINS = 1 << FIRST_BITS
-SAMPLE_MIN_ROW = 4  # with `sample`: rows of at least this many times `candidates` keys take the sampled round 0
-RANK_MAX = 32  # with `rank_sort`: the most winners a bucket may hold before the row takes the bitonic sort
+SAMPLE_MIN_ROW = 4  # rows of at least this many times `candidates` keys take the sampled first round
+RANK_MAX = 32  # the most winners a counting-sort bucket may hold before the row takes the bitonic sort
 _INT_MAX = 2147483647
 
 
 # --------------------------------------------------------------------------------------------------
-# kernels
+# logits kernel
 # --------------------------------------------------------------------------------------------------
-# The logits kernel's register epilogues (``epilogue="lanes"`` / ``"mma"`` / ``"mma_pairs"``), CUDA device functions
-# called on the wgmma accumulator of one 64-key tile. Its layout (one warpgroup, 64 x N, fp32): the thread of warp w,
+# The logits kernel's register epilogues ("lanes" / "mma" / "mma_pairs"), CUDA device functions called on the
+# wgmma accumulator of one 64-key tile. Its layout (one warpgroup, 64 x N, fp32): the thread of warp w,
 # lane 4g + t holds, for each 8-column group j, tile rows 16w + g + 8r and GEMM columns 8j + 2t + c at
 # acc[4j + 2r + c] (r, c in {0, 1}), the layout TileLang's own fragment for it reports; GEMM column
 # i * H + h is query i's head h. Tile row n is key n, except with "mma_pairs" (see there).
@@ -64,13 +67,13 @@ __device__ __forceinline__ void load_w(float* w, const float* __restrict__ W) {
   }
 }
 
-// one (query, key) logit: ks scale (KG: read from global memory, else from the tile's copy in shared memory),
-// the query's key range outside interior tiles, the store
-template <bool SCALED, bool FULL, bool KG>
+// one (query, key) logit: the key's scale (the tile's copy in shared memory), the query's key range outside
+// interior tiles, the store
+template <bool SCALED, bool FULL>
 __device__ __forceinline__ void put(float x, int q, int nk, const float* ks, float* __restrict__ out,
                                     long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
                                     int k0) {
-  if (SCALED) x *= KG ? __ldg(ks + nk) : ks[nk];
+  if (SCALED) x *= ks[nk];
   if (!FULL) {
     const int key = k0 + nk;
     if (key < starts[q] || key >= ends[q]) x = neg_inf();
@@ -80,7 +83,7 @@ __device__ __forceinline__ void put(float x, int q, int nk, const float* ks, flo
 
 // "lanes": sum_h w[i, h] * relu(acc) in fp32 FMAs over the thread's 2 * H / 8 terms per (query, row), then a
 // butterfly over the 4 lanes sharing those rows (lane bits 1, then 0), each step halving what a lane keeps.
-template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
+template <int QB, int H, bool SCALED, bool FULL>
 __device__ __forceinline__ void lanes(const float* acc, const float* w, const float* ks, float* __restrict__ out,
                                       long long seq_k, const int* __restrict__ starts,
                                       const int* __restrict__ ends, int k0) {
@@ -127,7 +130,7 @@ __device__ __forceinline__ void lanes(const float* acc, const float* w, const fl
   for (int u = 0; u < (V >= 4 ? V / 4 : 1); ++u) {
     const int idx = V >= 4 ? ((lane >> 1) & 1) * (V / 2) + (lane & 1) * (V / 4) + u : (lane >> 1) & 1;
     if (V >= 4 || (lane & 1) == 0)
-      put<SCALED, FULL, KG>(v[u], idx >> 1, warp * 16 + (lane >> 2) + 8 * (idx & 1), ks, out, seq_k, starts, ends,
+      put<SCALED, FULL>(v[u], idx >> 1, warp * 16 + (lane >> 2) + 8 * (idx & 1), ks, out, seq_k, starts, ends,
                         k0);
   }
 }
@@ -178,7 +181,7 @@ __device__ __forceinline__ void head_sum(const float* acc, const unsigned int* b
 }
 
 // "mma": the head sum with one column a query: the lane 4g + t gets keys g, g + 8 for queries 2t, 2t + 1.
-template <int QB, int H, bool SCALED, bool FULL, bool KG = false>
+template <int QB, int H, bool SCALED, bool FULL>
 __device__ __forceinline__ void mma(const float* acc, const unsigned int* b, const float* ks, float* __restrict__ out,
                                     long long seq_k, const int* __restrict__ starts, const int* __restrict__ ends,
                                     int k0) {
@@ -192,7 +195,7 @@ __device__ __forceinline__ void mma(const float* acc, const unsigned int* b, con
     for (int c = 0; c < 2; ++c) {
       const int q = 2 * t + c;
       if (q < QB)
-        put<SCALED, FULL, KG>(d[0][2 * r + c] + d[1][2 * r + c], q, warp * 16 + g + 8 * r, ks, out, seq_k, starts,
+        put<SCALED, FULL>(d[0][2 * r + c] + d[1][2 * r + c], q, warp * 16 + g + 8 * r, ks, out, seq_k, starts,
                           ends, k0);
     }
   }
@@ -225,67 +228,59 @@ __device__ __forceinline__ void mma_pairs(const float* acc, const unsigned int* 
 }
 }  // namespace dsa_logits
 """
-EPILOGUES = ("tile", "lanes", "mma", "mma_pairs")
+LOGITS_BLOCK_N = 64   # keys a tile: one warpgroup's wgmma accumulator, the layout the epilogues read
+LOGITS_THREADS = 128  # one warpgroup a CTA, no producer warps: several CTAs share an SM
+
+
+def logits_epilogue(heads: int, block_Q: int, fp8: bool) -> str:
+    """The register epilogue a logits build takes:
+
+    - ``"mma_pairs"`` (FP8, 32 heads, 4 queries a block): ReLU and the rounding to bf16 in one ``cvt`` per two
+      products, then the head sum as a second, tiny GEMM on the tensor cores (``mma.m16n8k16`` against the
+      block-diagonal weights, held in registers) whose 8 columns are (query, half of its heads), so that each
+      lane's sums are its own query's; the key tile's rows are loaded permuted so that a lane's two keys are
+      adjacent: one 8-byte store and one 8-byte read of the scales a lane and tile.
+    - ``"mma"`` (other FP8 builds with heads a multiple of 16): the same products and sums with one column a
+      query, four 4-byte stores on half the lanes.
+    - ``"lanes"`` (bf16 builds, and FP8 with other head counts): one fp32 FMA per product, then a butterfly over
+      the 4 lanes sharing a row that splits the sums between them, each lane storing its own.
+
+    The bf16 rounding of the "mma" products (2^-9 relative) is far below the e4m3 inputs' own (2^-4), not
+    below bf16's, so bf16 builds keep fp32 throughout.
+    """
+    if fp8 and (heads, block_Q) == (32, 4):
+        return "mma_pairs"
+    if fp8 and heads % 16 == 0:
+        return "mma"
+    return "lanes"
 
 
 def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: int | None = None,
-                         block_N: int = 128, num_stages: int = 2, threads: int = 256, min_blocks: int = 1,
-                         full_tiles: bool = False, epilogue: str = "tile", ks_global: bool = False):
+                         min_blocks: int = 1):
     """Masked indexer logits, fp32 [Sq, Sk], from q and k in ``in_dtype`` (bf16 or float8_e4m3fn). Sq must
-    be a multiple of block_Q, Sk of block_N.
+    be a multiple of block_Q, Sk of ``LOGITS_BLOCK_N``.
 
-    Tunables: block_Q queries per CTA (block_Q * heads rows form the GEMM's N side), block_N keys per
-    tile, pipeline depth, threads, and min_blocks, the CTAs per SM the register allocation must leave room
-    for (``__launch_bounds__``; at 1, 3 fit, limited by registers: Nsight Compute, H200, 128 threads).
-    ``full_tiles``: a key tile inside every one of the block's query ranges (all but the last one or two of a
-    causal row) stores its logits without the per-element range test and its reads of Starts / Ends.
-    Whether TileLang splits producer and consumer warps is a pass config (:func:`compile_indexer_logits`).
-    ``epilogue``, what turns a tile's [block_N, block_Q * heads] products into [block_Q, block_N] logits:
-
-    - ``"tile"``: TileLang's elementwise ReLU and weight, its ``reduce_sum`` over heads (a 4-lane all-reduce for
-      each of the thread's 8 sums), every logit stored by one lane in four.
-    - ``"lanes"`` (one warpgroup, 64-key tiles): the CUDA functions of ``_EPILOGUE_CUDA`` on the accumulator's
-      registers: one FMA per product, then a butterfly over the 4 lanes that splits the sums between them (6
-      shuffles instead of 16), each lane storing its own. fp32 throughout: the same sums in another order.
-    - ``"mma"`` (FP8 builds with heads a multiple of 16; other builds take ``"lanes"``): ReLU and the rounding to
-      bf16 in one ``cvt`` per two products, then the head sum as a second, tiny GEMM on the tensor cores
-      (``mma.m16n8k16`` against the block-diagonal weights, which stay in registers), fp32 accumulate. The bf16
-      rounding of the products (2^-9 relative) is far below the e4m3 inputs' own (2^-4), not below bf16's.
-    - ``"mma_pairs"`` (FP8, 32 heads, 4 queries a block; other builds take ``"mma"``): the same products and sums,
-      with the small GEMM's 8 columns as (query, half of its heads), so that each lane's results are its own
-      query's, and the key tile's rows loaded permuted, so that a lane's two keys are adjacent: one 8-byte store
-      and one 8-byte read of the scales a lane and tile, where "mma" has four 4-byte ones on half the lanes.
-    ``ks_global`` (register epilogues): the keys' FP8 scales read by the epilogue from global memory (L1/L2, two
-    per thread and tile) instead of copied to shared memory with each tile (a cp.async group and a barrier less
-    per tile).
-    The logits are stored from the registers that reduced them: a version
-    staging each tile in shared memory and copying whole rows out was no faster on the H200 and gave wrong
-    logits there, so it was dropped.
+    ``block_Q`` queries a CTA (block_Q * heads rows form the GEMM's N side); ``min_blocks``: the CTAs per SM the
+    register allocation must leave room for (``__launch_bounds__``). Per key tile: the tile's keys (and FP8
+    scales) to shared memory, one wgmma against the block's queries, then the epilogue (:func:`logits_epilogue`)
+    stores the tile's logits from the registers that summed them; a tile inside every one of the block's query
+    ranges (all but the last one or two of a causal row) stores them without the per-key range test.
     """
     if block_Q is None:
         block_Q = max(1, 128 // heads)
+    block_N, threads = LOGITS_BLOCK_N, LOGITS_THREADS
     rows = block_Q * heads
     seq_q = T.dynamic("seq_q")
     seq_k = T.dynamic("seq_k")
     dtype, accum = in_dtype, T.float32
-    # the keys' FP8 scales multiply each tile's output, from shared memory; bf16 builds leave them out (the
-    # per-element global read of a ones vector cost the bf16 kernel 1.6x on the H200: 4.07 vs 2.57 ms at 16K)
+    # the keys' FP8 scales multiply each tile's output, from shared memory; bf16 builds leave them out
     scaled = in_dtype != T.bfloat16
-    assert epilogue in EPILOGUES, f"epilogue must be one of {EPILOGUES}, not {epilogue!r}"
+    epilogue = logits_epilogue(heads, block_Q, scaled)
     pairs = epilogue == "mma_pairs"
-    if pairs and ((heads, block_Q) != (32, 4) or not scaled):
-        epilogue, pairs = "mma", False
-    if epilogue == "mma" and (not scaled or heads % 16):
-        epilogue = "lanes"
-    ks_global = ks_global and scaled and epilogue != "tile"
-    if epilogue != "tile":
-        assert threads == 128 and block_N == 64, "the register epilogues take one warpgroup's 64-key tile"
-        if pairs:
-            fn = f"dsa_logits::mma_pairs<{heads}, {str(scaled).lower()}"
-            kg = ">"      # with ks_global the scales' pointer is into global memory, the same reads
-        else:
-            fn = f"dsa_logits::{epilogue}<{block_Q}, {heads}, {str(scaled).lower()}"
-            kg = ", true>" if ks_global else ">"
+    if pairs:
+        fn = f"dsa_logits::mma_pairs<{heads}, {str(scaled).lower()}"
+    else:
+        fn = f"dsa_logits::{epilogue}<{block_Q}, {heads}, {str(scaled).lower()}"
 
     @T.prim_func
     def indexer_logits(
@@ -298,20 +293,14 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
         Logits: T.Tensor([seq_q, seq_k], accum),  # [Sq, Sk]
     ):
         with T.Kernel(T.ceildiv(seq_q, block_Q), threads=threads) as bx:
-            if epilogue != "tile":
-                T.import_source(_EPILOGUE_CUDA)
+            T.import_source(_EPILOGUE_CUDA)
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             q_shared = T.alloc_shared([rows, dim], dtype)
             k_shared = T.alloc_shared([block_N, dim], dtype)
-            if (scaled or epilogue != "tile") and not ks_global:
-                ks_shared = T.alloc_shared([block_N], accum)
+            ks_shared = T.alloc_shared([block_N], accum)
             s = T.alloc_fragment([block_N, rows], accum)
-            if epilogue == "tile":
-                s3 = T.reshape(s, (block_N, block_Q, heads))
-                logits = T.alloc_fragment([block_N, block_Q], accum)
-                w = T.alloc_fragment([block_Q, heads], accum)
-            elif epilogue == "lanes":
+            if epilogue == "lanes":
                 w = T.alloc_local([rows // 4], accum)             # the thread's weights, accumulator order
             else:
                 w = T.alloc_local([rows // 8], T.uint32)          # the weights' mma B fragments, bf16 pairs
@@ -320,6 +309,7 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             in_lo = T.alloc_var(T.int32)                     # keys valid for every query of the block
             in_hi = T.alloc_var(T.int32)
 
+            # the block's key range: the union of its queries' ranges, and their intersection
             q0 = bx * block_Q
             lo = seq_k
             hi = 0
@@ -334,10 +324,9 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             lo = lo // block_N * block_N
             n_tiles = T.max(T.ceildiv(hi - lo, block_N), 0)
 
+            # the block's queries and weights, once
             T.copy(Q[q0 * heads, 0], q_shared)
-            if epilogue == "tile":
-                T.copy(W[q0, 0], w)
-            elif epilogue == "lanes":
+            if epilogue == "lanes":
                 T.call_extern("handle", f"dsa_logits::load_w<{rows}>", T.access_ptr(w, "w"),
                               T.access_ptr(W[q0, 0], "r"))
             elif pairs:
@@ -346,7 +335,8 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
             else:
                 T.call_extern("handle", f"dsa_logits::load_wb<{rows}, {heads}>", T.access_ptr(w, "w"),
                               T.access_ptr(W[q0, 0], "r"))
-            for t in T.Pipelined(n_tiles, num_stages=num_stages):
+            for t in T.Pipelined(n_tiles, num_stages=1):
+                # the key tile (and its scales), the GEMM, the epilogue's store
                 k0 = lo + t * block_N
                 if pairs:
                     # row 16w + g + 8r of the tile holds key 16w + 2g + r: a lane's two keys adjacent
@@ -354,35 +344,18 @@ def build_indexer_logits(heads: int, dim: int, in_dtype=T.bfloat16, *, block_Q: 
                         k_shared[n, d] = K[k0 + n // 16 * 16 + n % 8 * 2 + n % 16 // 8, d]
                 else:
                     T.copy(K[k0, 0], k_shared)
-                if scaled and not ks_global:
+                if scaled:
                     T.copy(KS[k0], ks_shared)
                 T.gemm(k_shared, q_shared, s, transpose_B=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
-                if epilogue != "tile":
-                    # s.data, not an access_ptr: TileLang would then infer a replicated layout for s
-                    args = (s.data, T.access_ptr(w, "r"),
-                            T.access_ptr(KS[k0], "r") if ks_global else T.access_ptr(ks_shared, "r"),
-                            T.access_ptr(Logits[q0, k0], "w"), seq_k, T.access_ptr(Starts[q0], "r"),
-                            T.access_ptr(Ends[q0], "r"), k0)
-                    if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
-                        T.call_extern("handle", fn + ", true" + kg, *args)
-                    else:
-                        T.call_extern("handle", fn + ", false" + kg, *args)
+                # s.data, not an access_ptr: TileLang would then infer a replicated layout for s
+                args = (s.data, T.access_ptr(w, "r"), T.access_ptr(ks_shared, "r"),
+                        T.access_ptr(Logits[q0, k0], "w"), seq_k, T.access_ptr(Starts[q0], "r"),
+                        T.access_ptr(Ends[q0], "r"), k0)
+                if (k0 >= in_lo) and (k0 + block_N <= in_hi):
+                    T.call_extern("handle", fn + ", true>", *args)
                 else:
-                    for n, i, h in T.Parallel(block_N, block_Q, heads):
-                        s3[n, i, h] = T.max(s3[n, i, h], 0) * w[i, h]
-                    T.reduce_sum(s3, logits, dim=-1, clear=True)
-                    if scaled:
-                        for n, i in T.Parallel(block_N, block_Q):
-                            logits[n, i] = logits[n, i] * ks_shared[n]
-                    if full_tiles and (k0 >= in_lo) and (k0 + block_N <= in_hi):
-                        for i, n in T.Parallel(block_Q, block_N):
-                            Logits[q0 + i, k0 + n] = logits[n, i]
-                    else:
-                        for i, n in T.Parallel(block_Q, block_N):
-                            Logits[q0 + i, k0 + n] = T.if_then_else(
-                                (k0 + n >= Starts[q0 + i]) & (k0 + n < Ends[q0 + i]), logits[n, i],
-                                -T.infinity(accum))
+                    T.call_extern("handle", fn + ", false>", *args)
 
     return indexer_logits
 
@@ -404,143 +377,92 @@ def _from_ordered_key(key):
                                         key ^ T.uint32(0xFFFFFFFF)), T.float32)
 
 
-def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, vec: int = 1, sort_elems: int = 0,
-                      warp_append: bool = False, hist_aggregate: bool = False, sample: int = 0,
-                      warp_scan: bool = False, rank_sort: bool = False, rank_max: int = 0,
-                      sample_group: int = 1, unroll: int = 1, min_blocks: int = 1, direct_rank: bool = False):
+def build_topk_select(topk: int, *, threads: int = 512, candidates: int = 3072, vec: int = 4, sort_elems: int = 8,
+                      sample: int = 8, sample_group: int = 4, unroll: int = 2, min_blocks: int = 1):
     """Exact per-row top-k of fp32 scores within [starts, ends); int32 ids sorted desc, -1 pad.
 
-    ``candidates > 0``: two reads of the row instead of five. After the first radix round (top 12 bits), one
-    pass sends the keys above the threshold bin to the winners and copies the threshold bin's keys (up to
-    ``candidates`` of them) to shared memory, where the three other rounds and the final gather run. A row
-    whose threshold bin holds more keys runs the three rounds on the row as before. ``candidates=0`` builds
-    the four-round kernel.
+    ``threads`` per row's CTA (a power of two dividing 4096). ``candidates``: the keys shared memory holds for
+    the rounds after the first (at least 1.25 topk: the sampled bound's slack). ``vec``: scores each thread loads
+    per trip over the row, as one vector load (seq_k must then be a multiple of ``vec``; the launcher pads rows
+    to BLOCK_N). ``sort_elems``: (key, id) pairs per thread in the register bitonic sort. ``sample``: a row of
+    ``SAMPLE_MIN_ROW * candidates`` keys or more takes its first round on one group of ``sample_group`` adjacent
+    vectors in every ``sample`` groups. ``unroll``: vectors each thread loads before it tests any of them, in
+    the sampled passes and the pass against the float bound. ``min_blocks``: CTAs per SM the register
+    allocation must leave room for (``__launch_bounds__``).
 
-    The rest are about the shared-memory pipe, which bounds this kernel (Nsight Compute on the H200, S=16K:
-    L1/shared 93% busy, DRAM 4%; benchmarks/results/ncu_topk_16k_h200.txt):
+    The stages (every path exact; ties at the k-th score go to the lower key ids where the candidates are
+    ranked at once, else to the gather's order):
 
-    - ``vec``: scores each thread loads per trip over the row, as one vector load (seq_k must then be a
-      multiple of ``vec``; the launcher pads rows to BLOCK_N).
-    - ``warp_append``: a key that joins the winners or the candidates takes its slot from one atomic per
-      warp (ballot, popc, shuffle) instead of one per key on the same shared counter (which serialises).
-    - ``sort_elems > 0``: the final bitonic sort keeps ``sort_elems`` (key, id) pairs per thread in
-      registers: the stages whose partner is in the same thread or warp run in registers or through warp
-      shuffles, only the few with a partner in another warp through shared memory (66 shared-memory stages
-      for 2048 ids, with a barrier each, become 6), each (key, id) one uint64 (at 64K on the H200, 12.10 ms
-      against 14.35 with key and id apart, a version since dropped). ``0``: every stage through shared memory.
-    - ``hist_aggregate`` (with ``candidates``): the first round's histogram takes one atomic per distinct bin
-      per warp (``match_any``; the lowest lane of each group adds the group's size) instead of one per key;
-      keys of a row that fall in few bins otherwise serialise on them.
-    - ``sample > 0`` (with ``candidates >= 1.25 topk``): a row of ``SAMPLE_MIN_ROW * candidates`` keys or more
-      takes its first round on every ``sample``-th vector only, twice (12 bits, then 8 more within the
-      threshold bin), to find a 20-bit key ``tau`` below the row's k-th largest with high probability: the
-      sample's expected share of the top-k plus four standard deviations. One pass over the row then copies
-      every key >= tau (about 1.3 topk of them at 2048) to shared memory, where four 8-bit rounds find the
-      exact k-th key: one atomic per sampled key instead of one per key, and no winners' pass. A row where
-      tau missed (fewer than topk keys above it, or more than ``candidates``) runs the four rounds on the row.
-      The result is exact either way.
-    - ``sample_group``: the sample's vectors in groups of this many adjacent ones (one group in every ``sample``
-      groups): 4 vectors of 4 scores are one 64-byte read, where one vector in 8 alone costs the DRAM half the
-      row's bytes for a sixteenth of them.
-    - ``warp_scan``: the histograms' suffix sums by warp shuffles and one pass over the warps' totals (two
-      barriers) instead of Hillis-Steele through shared memory (two barriers a step: 16 for 256 bins).
-    - ``rank_sort`` (with ``candidates >= next_pow2(topk)``, else the bitonic sort): the winners' order by a counting sort instead of the bitonic
-      network: each winner's bucket is its score's place, linear, between the row's largest and smallest
-      finite winner (``next_pow2(topk)`` buckets); the buckets' prefix sums place them, and a winner's rank in
-      its bucket is the number of its bucket's keys that order before it (score desc, id asc), so the result
-      does not depend on the order the atomics ran in. A row where a bucket holds more than ``RANK_MAX``
-      winners (ties, or one outlier squeezing the rest together; ``rank_max``, 0: ``RANK_MAX``) sorts them with
-      the bitonic network: the ranks would be as exact, only slower.
-      The sampled pass over the row also compares each score of a vector inside the row with the bound as a
-      float, without the key transform or the range tests.
-    - ``unroll`` (the sampled passes and, with ``rank_sort``, the pass against the float bound): vectors each
-      thread loads before it tests any of them, so that many of its reads are in flight at once.
-    - ``min_blocks``: CTAs per SM the register allocation must leave room for (``__launch_bounds__``).
-    - ``direct_rank`` (with ``rank_sort`` and ``sample``): a row whose sampled bound held ranks its candidates (every
-      key >= tau, about 1.3 topk of them) by the counting sort at once, on ``next_pow2(candidates)`` buckets, and
-      writes the first topk: no radix rounds on the candidates and no winners' pass. Ties at the k-th score go to
-      the lower key ids. A row with a bucket over ``RANK_MAX`` runs the rounds on its candidates as before.
+    1. Sample a threshold (rows of ``SAMPLE_MIN_ROW * candidates`` keys or more): the sampled keys' top 12 bits,
+       then the next 8 within the threshold bin, give a 20-bit key ``tau`` below the row's k-th largest with
+       high probability (the sample's expected share of the top-k plus four standard deviations). One pass
+       over the row copies every key >= tau (about 1.3 topk of them) to the candidates, comparing each score
+       with tau as a float.
+    2. Rank the candidates at once: a counting sort on their scores (``next_pow2(candidates)`` buckets between
+       the largest and smallest finite score) writes the first topk. A row whose bound missed (fewer than topk
+       keys >= tau, or more than ``candidates``) takes the rounds on the row; one where a bucket holds more
+       than ``RANK_MAX`` keys takes the rounds on its candidates.
+    3. Shorter rows: the 12-bit histogram of all their keys gives the threshold bin; one pass sends the keys
+       above it to the winners and copies the bin's keys to the candidates (a bin over ``candidates`` keys:
+       the rounds on the row).
+    4. Radix rounds (8 bits each) on the candidates or the row find the exact k-th key; a gather collects the
+       winners; a counting sort orders them (score desc, id asc), or, where a bucket holds more than
+       ``RANK_MAX`` of them (ties, or an outlier squeezing the rest together), the bitonic sort in registers:
+       stages whose partner is in the same thread or warp run in registers or through warp shuffles, the few
+       with a partner in another warp through shared memory, each (key, id) one uint64.
+    5. Rows with at most topk keys: all of them, sorted.
     """
-    sort_n = max(next_pow2(topk), 32 if sort_elems else 1)
+    assert sample > 0 and sort_elems > 0, "the select samples long rows and sorts in registers"
+    sort_n = max(next_pow2(topk), 32)
     log_n = sort_n.bit_length() - 1
-    pairs = sort_n // 2
-    if sort_elems:
-        E = min(max(sort_elems, sort_n // threads), sort_n // 32)      # pairs per sorting thread
-        sort_threads = sort_n // E                                     # whole warps
-        assert E & (E - 1) == 0 and sort_threads <= threads and sort_threads % 32 == 0, (E, sort_threads)
-    rank_sort = rank_sort and candidates >= sort_n           # its buckets live in the candidates' buffers
+    E = min(max(sort_elems, sort_n // threads), sort_n // 32)      # pairs per sorting thread
+    sort_threads = sort_n // E                                     # whole warps
+    assert E & (E - 1) == 0 and sort_threads <= threads and sort_threads % 32 == 0, (E, sort_threads)
+    rank_sort = candidates >= sort_n                     # the counting sort's buckets live in the candidates' buffers
     rank_e = max(1, -(-sort_n // threads))                        # winners per thread in the counting sort
     rank_b = rank_e                                              # ... and buckets
-    direct_rank = direct_rank and rank_sort and sample > 0
+    direct_rank = rank_sort                                      # the sampled rows' candidates ranked at once
     cand_b = next_pow2(candidates) if direct_rank else 0          # the candidates' buckets (direct_rank) ...
     cand_e = max(1, -(-candidates // threads)) if direct_rank else 0   # ... and candidates per thread
     if direct_rank:
-        assert cand_b <= FIRST_BINS and cand_b % threads == 0, "direct_rank: next_pow2(candidates) <= 4096 buckets"
+        assert cand_b <= FIRST_BINS and cand_b % threads == 0, "next_pow2(candidates) <= 4096 buckets"
     sort_buf = max(sort_n, candidates) if direct_rank else sort_n   # skey / sidx: the ranked candidates' places too
     seq_q = T.dynamic("seq_q")
     seq_k = T.dynamic("seq_k_vecs") * vec                        # a multiple of vec: aligned vector loads
     per = FIRST_BINS // threads                                  # first-round bins per thread
-    if candidates:
-        assert threads & (threads - 1) == 0 and per * threads == FIRST_BINS, "threads must divide 4096"
-    hist_n = (FIRST_BINS if candidates else RADIX) + 1
+    assert threads & (threads - 1) == 0 and per * threads == FIRST_BINS, "threads must divide 4096"
+    hist_n = FIRST_BINS + 1
     sample_min = SAMPLE_MIN_ROW * candidates                      # rows this long take the sampled round 0
-    assert not sample or candidates >= topk + topk // 4, "sample needs candidates >= 1.25 topk (the bound's slack)"
+    assert candidates >= topk + topk // 4, "candidates >= 1.25 topk (the sampled bound's slack)"
     assert threads >= RADIX and threads % 32 == 0
     FLIP = T.uint32(0xFFFFFFFF)
 
     @T.macro
-    def append(tx, pred, counter, wb, slot):
-        # slot[0] <- where this thread's key goes when `pred`: the counter's value before it. With warp_append
-        # every lane of the warp must get here (the ballot), whatever its `pred`.
-        if warp_append:
-            lane = tx % 32
-            ballot = T.Cast(T.uint32, T.ballot_sync(pred))
-            wb[0] = 0
-            if (lane == 0) & (ballot != T.uint32(0)):
-                wb[0] = T.atomic_add(counter, T.Cast(T.int32, T.popcount(ballot)), return_prev=True)
-            slot[0] = T.shfl_sync(wb[0], 0) + T.Cast(
-                T.int32, T.popcount(ballot & ((T.uint32(1) << T.Cast(T.uint32, lane)) - T.uint32(1))))
-        else:
-            if pred:
-                slot[0] = T.atomic_add(counter, 1, return_prev=True)
+    def append(pred, counter, slot):
+        # slot[0] <- where this thread's key goes when `pred`: the counter's value before it
+        if pred:
+            slot[0] = T.atomic_add(counter, 1, return_prev=True)
 
     @T.macro
     def suffix_scan(tx, sv, tsum, wsum, n):
         # tsum[t] <- the sum of sv[0] over threads t..n-1 (t < n), tsum[n] <- 0, then a barrier; n is a
-        # multiple of 32. warp_scan: shuffles within each warp, then the warps' totals (two barriers);
-        # else Hillis-Steele through shared memory (two barriers a step)
-        if warp_scan:
-            if tx < n:
-                for o in T.unroll(5):
-                    sv[1] = T.shfl_down(sv[0], 1 << o)          # every lane, then the add where it applies
-                    if tx % 32 + (1 << o) < 32:
-                        sv[0] = sv[0] + sv[1]
-                if tx % 32 == 0:
-                    wsum[tx // 32] = sv[0]
-            T.sync_threads()
-            if tx < n:
-                for w in T.serial(n // 32):
-                    if w > tx // 32:
-                        sv[0] = sv[0] + wsum[w]
-                tsum[tx] = sv[0]
-            if tx == 0:
-                tsum[n] = 0
-            T.sync_threads()
-        else:
-            if tx < n:
-                tsum[tx] = sv[0]
-            if tx == 0:
-                tsum[n] = 0
-            for step in T.serial(n.bit_length() - 1):
-                T.sync_threads()
-                if tx < n:
-                    sv[0] = tsum[tx]
-                    if tx + (1 << step) < n:
-                        sv[0] = sv[0] + tsum[tx + (1 << step)]
-                T.sync_threads()
-                if tx < n:
-                    tsum[tx] = sv[0]
-            T.sync_threads()
+        # multiple of 32: shuffles within each warp, then the warps' totals (two barriers)
+        if tx < n:
+            for o in T.unroll(5):
+                sv[1] = T.shfl_down(sv[0], 1 << o)          # every lane, then the add where it applies
+                if tx % 32 + (1 << o) < 32:
+                    sv[0] = sv[0] + sv[1]
+            if tx % 32 == 0:
+                wsum[tx // 32] = sv[0]
+        T.sync_threads()
+        if tx < n:
+            for w in T.serial(n // 32):
+                if w > tx // 32:
+                    sv[0] = sv[0] + wsum[w]
+            tsum[tx] = sv[0]
+        if tx == 0:
+            tsum[n] = 0
+        T.sync_threads()
 
     @T.macro
     def radix_suffix(tx, hist, sv, wsum):
@@ -596,7 +518,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
         # score, n_b buckets; +inf and NaNs first, -inf last), so buckets are in score order and the prefix sums of
         # their counts give each bucket's first place; its rank is that place plus the bucket's keys ordering before
         # it (score desc, id asc), and the ranks < topk are written to Out. big[0] <- 1 (and Out untouched) when a
-        # bucket holds more than rank_max: the caller sorts otherwise. dst_key / dst_idx: n_src scratch places.
+        # bucket holds more than RANK_MAX: the caller sorts otherwise. dst_key / dst_idx: n_src scratch places.
         xmx = T.alloc_var(T.float32)
         xmn = T.alloc_var(T.float32)
         bscale = T.alloc_var(T.float32)
@@ -656,7 +578,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 r_n = hist[tx * b_n + i]
                 hist[tx * b_n + i] = val
                 val = val + r_n
-                if r_n > (rank_max or RANK_MAX):
+                if r_n > RANK_MAX:
                     big[0] = 1
         T.sync_threads()
         if big[0] == 0:
@@ -699,27 +621,24 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             ctl = T.alloc_shared([4], T.int32)  # 0: threshold bin, 1: #greater, 2: #equal
             skey = T.alloc_shared([sort_buf], T.uint32)  # ~ordered key: ascending = score desc
             sidx = T.alloc_shared([sort_buf], T.int32)
-            if candidates:
-                tsum = T.alloc_shared([threads + 1], T.int32)  # per-thread bin totals, then their suffix sums
-                ckey = T.alloc_shared([candidates], T.uint32)  # the threshold bin's keys ...
-                cidx = T.alloc_shared([candidates], T.int32)  # ... and their key ids
-                cnt = T.alloc_shared([1], T.int32)  # how many keys the threshold bin holds
-                ncand = T.alloc_var(T.int32)
-                kid = T.alloc_var(T.int32)
-            if sort_elems:
-                rp = T.alloc_local([E], T.uint64)  # this thread's (key, id) pairs while sorting
-                pa = T.alloc_var(T.uint64)
-                pb = T.alloc_var(T.uint64)
-                po = T.alloc_var(T.uint64)
+            tsum = T.alloc_shared([threads + 1], T.int32)  # per-thread bin totals, then their suffix sums
+            ckey = T.alloc_shared([candidates], T.uint32)  # the candidates' keys ...
+            cidx = T.alloc_shared([candidates], T.int32)  # ... and their key ids
+            cnt = T.alloc_shared([1], T.int32)  # how many keys the candidates are
+            ncand = T.alloc_var(T.int32)
+            kid = T.alloc_var(T.int32)
+            rp = T.alloc_local([E], T.uint64)  # this thread's (key, id) pairs while sorting
+            pa = T.alloc_var(T.uint64)
+            pb = T.alloc_var(T.uint64)
+            po = T.alloc_var(T.uint64)
 
             sv = T.alloc_local([2], T.int32)                  # a scan's value in this thread, a shuffled one
             wsum = T.alloc_shared([32], T.int32)              # the scans' warp totals
-            if candidates:
-                sampled = T.alloc_var(T.int32)
-                want = T.alloc_var(T.int32)
-                from_row = T.alloc_var(T.int32)
-                n_rounds = T.alloc_var(T.int32)
-                tau = T.alloc_var(T.uint32)
+            sampled = T.alloc_var(T.int32)
+            want = T.alloc_var(T.int32)
+            from_row = T.alloc_var(T.int32)
+            n_rounds = T.alloc_var(T.int32)
+            tau = T.alloc_var(T.uint32)
             start = T.alloc_var(T.int32)
             end = T.alloc_var(T.int32)
             prefix = T.alloc_var(T.uint32)
@@ -732,11 +651,6 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             x = T.alloc_var(T.float32)
             xv = T.alloc_local([vec * unroll], T.float32)
             slot = T.alloc_local([1], T.int32)
-            wb = T.alloc_local([1], T.int32)
-            ak = T.alloc_var(T.uint32)
-            bk = T.alloc_var(T.uint32)
-            ai = T.alloc_var(T.int32)
-            bi = T.alloc_var(T.int32)
             do_sort = T.alloc_var(T.int32)                    # 0: the counting sort placed every winner
             placed = T.alloc_var(T.int32)                     # 1: the candidates' counting sort wrote the row
             if rank_sort:
@@ -753,11 +667,11 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             krem = topk
             placed = 0
             n_valid = end - start
-            n_iter = T.ceildiv(T.max(n_valid, 0), threads)
+            n_iter = T.ceildiv(T.max(n_valid, 0), threads)                # the row's keys a thread
             base_v = start // vec                                        # the row's first vector
             n_vit = T.ceildiv(T.max(end - base_v * vec, 0), threads * vec)
             # sampled vectors: groups of `sample_group` adjacent ones, one group in every `sample` groups
-            n_sv = T.ceildiv(T.ceildiv(T.max(end - base_v * vec, 0), vec), max(sample, 1) * sample_group) * sample_group
+            n_sv = T.ceildiv(T.ceildiv(T.max(end - base_v * vec, 0), vec), sample * sample_group) * sample_group
 
             for it in T.serial(T.ceildiv(sort_n, threads)):
                 p = it * threads + tx
@@ -766,23 +680,21 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     sidx[p] = _INT_MAX
             if tx < 4:
                 ctl[tx] = 0
-            if candidates:
-                if tx == 0:
-                    cnt[0] = 0
+            if tx == 0:
+                cnt[0] = 0
 
-            if candidates and n_valid > topk:
+            if n_valid > topk:
                 # round 0: the threshold bin of the top 12 bits (sign, exponent, 3 mantissa bits; 8 bits would
-                # span a factor of 4 in score and put up to half a long row in one bin), over the row, or with
-                # `sample` over every sample-th vector of a long row
+                # span a factor of 4 in score and put up to half a long row in one bin), over the row, or over
+                # the sample of a long row
                 T.sync_threads()
                 for it in T.serial(T.ceildiv(FIRST_BINS + 1, threads)):
                     p = it * threads + tx
                     if p <= FIRST_BINS:
                         hist[p] = 0
                 sampled = 0
-                if sample:
-                    if n_valid >= sample_min:
-                        sampled = 1
+                if n_valid >= sample_min:
+                    sampled = 1
                 want = topk
                 T.sync_threads()
                 if sampled == 1:
@@ -790,23 +702,11 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 else:
                     for it in T.serial(n_vit):
                         jb = (base_v + it * threads + tx) * vec
-                        if hist_aggregate:                       # every lane runs every trip (the match)
-                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
-                            for v in T.unroll(vec):
-                                # lanes without a key match on FIRST_BINS, a bin no key has
-                                bin_ = T.if_then_else((jb + v >= start) & (jb + v < end),
-                                                      T.Cast(T.int32, _ordered_key(xv[v]) >> T.uint32(32 - FIRST_BITS)),
-                                                      FIRST_BINS)
-                                peers = T.match_any_sync(bin_)
-                                if (bin_ < FIRST_BINS) & ((peers & ((T.uint32(1) << T.Cast(T.uint32, tx % 32))
-                                                                    - T.uint32(1))) == T.uint32(0)):
-                                    T.atomic_add(hist[bin_], T.Cast(T.int32, T.popcount(peers)))
-                        else:
-                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
-                            for v in T.unroll(vec):
-                                if (jb + v >= start) & (jb + v < end):
-                                    key = _ordered_key(xv[v])
-                                    T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
+                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
+                        for v in T.unroll(vec):
+                            if (jb + v >= start) & (jb + v < end):
+                                key = _ordered_key(xv[v])
+                                T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
                 T.sync_threads()
                 # suffix sums: each thread owns `per` consecutive bins; scan the threads' totals
                 sv[0] = 0
@@ -832,7 +732,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                 if sampled == 1:
                     # round 0 again on the sample, on the next 8 bits of the threshold bin's keys: a 20-bit lower
                     # bound `tau` on the row's k-th largest key. One pass then keeps every key >= tau (about
-                    # want * sample of them) in shared memory, where four rounds find the exact k-th key.
+                    # want * sample of them) in shared memory as the candidates.
                     want = want - ctl[3]
                     T.sync_threads()
                     for it in T.serial(T.ceildiv(RADIX + 1, threads)):
@@ -847,8 +747,9 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                             ctl[0] = tx
                     T.sync_threads()
                     tau = prefix | (T.Cast(T.uint32, ctl[0]) << T.uint32(32 - FIRST_BITS - RADIX_BITS))
-                    if rank_sort and not warp_append:
-                        # key >= tau is x >= tau as a float (at the bottom, the bin of -inf: every finite x)
+                    if rank_sort:
+                        # the candidates: every key >= tau, compared as floats (x >= tau_f; at the bottom, the bin
+                        # of -inf: every finite x) where the vector lies inside the row
                         tau_f = T.if_then_else(tau <= T.uint32(0x007FFFFF), -T.infinity(T.float32),
                                                _from_ordered_key(tau))
                         for it in T.serial(T.ceildiv(n_vit, unroll)):
@@ -878,7 +779,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                             load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
                             for v in T.unroll(vec):
                                 key = _ordered_key(xv[v])
-                                append(tx, (jb + v >= start) & (jb + v < end) & (key >= tau), cnt[0], wb, slot)
+                                append((jb + v >= start) & (jb + v < end) & (key >= tau), cnt[0], slot)
                                 if (jb + v >= start) & (jb + v < end) & (key >= tau):
                                     if slot[0] < candidates:
                                         ckey[slot[0]] = key
@@ -892,7 +793,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                     if direct_rank:
                         if from_row == 0:
                             # every key >= tau is a candidate and there are >= topk of them: their own ranks are the
-                            # row's; ranked in place, or (a bucket over RANK_MAX) the rounds below as before
+                            # row's; ranked in place, or (a bucket over RANK_MAX) through the rounds below
                             rank_place(tx, row, ncand, ckey, cidx, True, skey, sidx, cand_b, cand_e, cand_b // threads,
                                        hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot, Out)
                             placed = T.if_then_else(big[0] == 0, 1, 0)
@@ -906,19 +807,19 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                                         sidx[it * threads + tx] = _INT_MAX
                 else:
                     krem = krem - ctl[3]
-                    # one pass: keys above the bin are winners; the bin's keys go to shared memory. Every lane runs
-                    # every trip (the warp's appends); lanes past the row's end carry no key.
+                    # one pass: keys above the bin are winners; the bin's keys are the candidates. Lanes past the
+                    # row's end load zeros and carry no key.
                     for it in T.serial(n_vit):
                         jb = (base_v + it * threads + tx) * vec
                         load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
                         for v in T.unroll(vec):
                             key = _ordered_key(xv[v])
-                            append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1], wb,
+                            append((jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1],
                                    slot)
                             if (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix):
                                 skey[slot[0]] = key ^ FLIP
                                 sidx[slot[0]] = jb + v
-                            append(tx, (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix), cnt[0], wb,
+                            append((jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix), cnt[0],
                                    slot)
                             if (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix):
                                 if slot[0] < candidates:
@@ -977,59 +878,17 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                         else:
                             key = ckey[c]
                             kid = cidx[c]
-                    append(tx, (c < n_src) & (key > prefix), ctl[1], wb, slot)
+                    append((c < n_src) & (key > prefix), ctl[1], slot)
                     if (c < n_src) & (key > prefix):
                         skey[slot[0]] = key ^ FLIP
                         sidx[slot[0]] = kid
-                    append(tx, (c < n_src) & (key == prefix), ctl[2], wb, slot)
+                    append((c < n_src) & (key == prefix), ctl[2], slot)
                     if (c < n_src) & (key == prefix):
                         if slot[0] < krem:
                             skey[topk - krem + slot[0]] = key ^ FLIP
                             sidx[topk - krem + slot[0]] = kid
-            elif n_valid > topk:
-                # radix select: find the exact 32-bit key of the k-th largest score
-                for rnd in T.serial(4):
-                    shift = T.Cast(T.uint32, 24 - rnd * RADIX_BITS)
-                    T.sync_threads()
-                    for it in T.serial(T.ceildiv(RADIX + 1, threads)):
-                        p = it * threads + tx
-                        if p <= RADIX:
-                            hist[p] = 0
-                    T.sync_threads()
-                    for it in T.serial(n_vit):
-                        jb = (base_v + it * threads + tx) * vec
-                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
-                        for v in T.unroll(vec):
-                            if (jb + v >= start) & (jb + v < end):
-                                key = _ordered_key(xv[v])
-                                if (key & pmask) == prefix:
-                                    T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
-                    radix_suffix(tx, hist, sv, wsum)
-                    if tx < RADIX:
-                        if hist[tx] >= krem and hist[tx + 1] < krem:
-                            ctl[0] = tx
-                    T.sync_threads()
-                    bin_ = ctl[0]
-                    krem = krem - hist[bin_ + 1]
-                    prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
-                    pmask = pmask | (T.uint32(RADIX - 1) << shift)
-                T.sync_threads()
-                # gather: all keys > threshold, then `krem` of the keys == threshold
-                for it in T.serial(n_vit):
-                    jb = (base_v + it * threads + tx) * vec
-                    load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
-                    for v in T.unroll(vec):
-                        key = _ordered_key(xv[v])
-                        append(tx, (jb + v >= start) & (jb + v < end) & (key > prefix), ctl[1], wb, slot)
-                        if (jb + v >= start) & (jb + v < end) & (key > prefix):
-                            skey[slot[0]] = key ^ FLIP
-                            sidx[slot[0]] = jb + v
-                        append(tx, (jb + v >= start) & (jb + v < end) & (key == prefix), ctl[2], wb, slot)
-                        if (jb + v >= start) & (jb + v < end) & (key == prefix):
-                            if slot[0] < krem:
-                                skey[topk - krem + slot[0]] = key ^ FLIP
-                                sidx[topk - krem + slot[0]] = jb + v
             else:
+                # rows of at most topk keys: every key is a winner
                 T.sync_threads()
                 for it in T.serial(n_iter):
                     j = start + it * threads + tx
@@ -1038,6 +897,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                         skey[j - start] = _ordered_key(x) ^ FLIP
                         sidx[j - start] = j
 
+            # order the winners: the counting sort, or the bitonic sort where its buckets are skewed
             do_sort = 1
             if rank_sort:
                 if placed == 1:
@@ -1049,7 +909,7 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
             # bitonic sort ascending by (skey, sidx)
             if do_sort == 0:
                 T.evaluate(0)
-            elif sort_elems:
+            else:
                 # element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread
                 # (d < E), the same warp (d < 32 E: a shuffle) or another warp (shared memory). Each (key, id)
                 # is one uint64 (key in the high word): one 64-bit compare and one shuffle of it per exchange
@@ -1098,38 +958,22 @@ def build_topk_select(topk: int, *, threads: int = 1024, candidates: int = 0, ve
                             Out[row, tx * E + e] = T.if_then_else(
                                 (rp[e] & T.uint64(0xFFFFFFFF)) == T.uint64(_INT_MAX), -1,
                                 T.Cast(T.int32, T.Cast(T.uint32, rp[e] & T.uint64(0xFFFFFFFF))))
-            else:
-                for kk in T.serial(log_n):
-                    for jj in T.serial(kk + 1):
-                        T.sync_threads()
-                        sh = kk - jj
-                        for it in T.serial(T.ceildiv(pairs, threads)):
-                            p = it * threads + tx
-                            if p < pairs:
-                                a = ((p >> sh) << (sh + 1)) | (p & ((1 << sh) - 1))
-                                b = a + (1 << sh)
-                                ak = skey[a]
-                                bk = skey[b]
-                                ai = sidx[a]
-                                bi = sidx[b]
-                                if ((ak > bk) | ((ak == bk) & (ai > bi))) == ((a & (2 << kk)) == 0):
-                                    skey[a] = bk
-                                    skey[b] = ak
-                                    sidx[a] = bi
-                                    sidx[b] = ai
-                T.sync_threads()
-                for it in T.serial(T.ceildiv(topk, threads)):
-                    p = it * threads + tx
-                    if p < topk:
-                        Out[row, p] = T.if_then_else(sidx[p] == _INT_MAX, -1, sidx[p])
 
     return topk_select
+
 
 
 # The select kernel places every barrier itself (the automatic pass would add one per loop trip).
 # Every read of the scores is in bounds by construction (j < end <= seq_k, and vec divides seq_k), so the
 # safe-memory pass's per-element guard, which also stops the vector loads, is off.
 _SELECT_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+                        tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
+# The logits kernel keeps every warp on the math (no producer warpgroup), so that its one-warpgroup CTAs fit
+# several to an SM and one CTA's epilogue overlaps another's MMAs; every access is in bounds when the query rows
+# are a multiple of block_Q and the keys of LOGITS_BLOCK_N, as the launcher pads them, so the safe-memory pass's
+# per-element bounds tests are off.
+_LOGITS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+                        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                         tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
@@ -1138,129 +982,29 @@ _IN_DTYPES = {torch.bfloat16: T.bfloat16, torch.float8_e4m3fn: T.float8_e4m3fn}
 
 @functools.lru_cache(maxsize=None)
 def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in_dtype=torch.bfloat16,
-                           warp_specialized: bool = True, unchecked: bool = False, **tunables):
-    """``warp_specialized=False`` keeps every warp on the math (no producer warpgroup), so that smaller CTAs
-    fit several to an SM and one CTA's epilogue overlaps another's MMAs. ``unchecked`` drops the safe-memory
-    pass's per-element bounds tests: every access is in bounds when the query rows are a multiple of block_Q
-    and the keys of block_N, as the launcher pads them."""
-    configs = {} if warp_specialized else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-                                           tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
-    if unchecked:
-        configs[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
-    if not warp_specialized and tunables.get("num_stages", 2) > 1:
-        # the software pipeline's drain is an unrolled loop whose cp.async wait counts depend on the trip;
-        # TileLang 0.1.15 keeps it a loop (`#pragma unroll`) and then fails to print the non-constant count
-        # ("Downcast from tirx.Sub to ir.IntImm"): unrolled before code generation, each count is a constant
-        configs["tl.UnrollLoop"] = {"explicit_unroll": True}
+                           **tunables):
+    """The logits kernel for ``heads`` x ``dim`` inputs in ``in_dtype``; ``tunables``: block_Q, min_blocks."""
     return tilelang.compile(build_indexer_logits(heads, dim, _IN_DTYPES[in_dtype], **tunables),
-                            target={"kind": "cuda", "arch": target_arch}, pass_configs=configs)
+                            target={"kind": "cuda", "arch": target_arch}, pass_configs=dict(_LOGITS_PASS_CONFIGS))
 
 
-# The logits kernel's tile choice, read per call (a benchmark times others beside it). block_N must divide
-# BLOCK_N, the keys' padding. H200, S=32K, logits kernel alone (bench_kernels.py --logits-sweep): one
-# warpgroup per CTA with 64-key tiles and no producer warps, so several CTAs share an SM and one's epilogue
-# runs under another's MMAs: 8.76 ms bf16 / 6.01 ms FP8, against 10.04 / 11.00 for the 128-key tiles with a
-# producer warpgroup (the two math warpgroups then wait for their MMAs together, and FP8 gained nothing).
-# What bounds it (Nsight Compute, S=16K FP8, benchmarks/results/ncu_topk_16k_h200.txt): latency, not a pipe:
-# issue slots 57% busy, ALU 40%, the tensor pipe less, with 3 CTAs (12 warps) per SM, limited by registers.
-# A version that ran tile t+1's MMA asynchronously into a second accumulator under tile t's epilogue (a ring
-# of four key tiles; 2026-12-02) was slower: 12.67 ms bf16 at 32K against 8.93 in the same run (2 CTAs per
-# SM), so it was dropped. ptxas (CUDA 13.0, FP8 tiles): 156 registers, no spills; with min_blocks=4 (4 CTAs per
-# SM) 128, no spills; min_blocks=5: 96, 84 B spilled. Then (2026-12-02, fifth session; FP8, S=32K, ms, same run):
-# 6.06 as above, 6.02 with min_blocks=4, 5.67 storing interior tiles without the range test (full_tiles), 5.30
-# without the safe-memory bounds tests (unchecked), 5.22 with all three (843 TFLOP/s; bf16 8.83 -> 7.89), the
-# same logits bit for bit (benchmarks/results/bench_kernels_sweep_run11_h200.json). What each key tile costs
-# beside its four e4m3 wgmma is then mostly the fp32 epilogue: per thread, 64 max, 72 mul, 80 add, 16 shuffles
-# and the stores, about 300 PTX instructions on the interior path (`nvcc -ptx` on the kernel's source). Then
-# (sixth session, same run, ms at 32K / 64K, FP8): TileLang's epilogue 5.22 / 22.78, "lanes" 4.50 / 20.46, "mma"
-# 4.47 / 19.27 (913 TFLOP/s); bf16 7.57 / 33.81 against 6.63 / 29.66 with "lanes"
-# (benchmarks/results/bench_kernels_sweep_run14_h200.json). "mma" leaves per tile, beside the wgmma, 32 cvt, 8
-# mma.sync and the 4 stores of each lane holding a result. Nsight Compute on it (S=32K,
-# benchmarks/results/ncu_topk_32k_h200.txt): issue slots 36% busy, shared-memory pipe 62% (the wgmma operands:
-# each CTA reads its 16 KB q tile from shared memory for every key tile), 3.9 warps per scheduler with 0.67
-# eligible: latency and the operands' shared-memory reads, no longer the epilogue's instructions. Then (seventh
-# session, FP8, 64K): the keys' scales read from global memory (``ks_global``: two barriers a tile instead of four)
-# 18.80 ms alone against 19.30 (bench_kernels_sweep_run24_h200.json), but in the op, round-robin beside it, slower:
-# 26.28 / 101.95 ms at 64K / 128K against 25.78 / 97.71 (bench_kernels_topk_run27_h200.json), so it stays off; a
-# two- or three-stage cp.async pipeline of the key tiles (``num_stages`` 2 / 3, which TileLang 0.1.15 builds only
-# with the drain unrolled, :func:`compile_indexer_logits`) 20.76 / 20.75 against 19.31 (run21). Then (ninth session,
-# FP8, ms at 32K / 64K, each beside the default in one run; the same logits bit for bit, GPU-tested; dropped, the code
-# is in commit 71ca1f0): the key tiles double-buffered by hand, tile t + 1's cp.async issued as tile t starts, one
-# barrier a tile instead of TileLang's four: 5.06 / 21.29 against 4.49 / 19.50 (111 registers; with registers for 5
-# CTAs per SM 4.85 / 20.67); and with it the block's queries in two wgmma chains of N = 64 (the first half's epilogue
-# under the second half's MMAs): 5.36 / 22.21 against 4.45 / 19.09 (bench_kernels_sweep_run31/33_h200.json). Nsight
-# Compute at 32K (ncu_logits_banks_32k_h200.txt, ncu_logits_hand_32k_h200.txt): the tensor pipe 51-56% busy against
-# 62%, more instructions issued (IPC 1.49-1.65 against 1.45 over a longer kernel); two N = 64 chains read the key tile
-# from shared memory twice a tile (40 KB of operand and copy traffic a tile against 32 KB). Then (tenth session, FP8,
-# ms at 32K / 64K, each beside "mma" in one run): q as the wgmma's register operand, the key tile its only
-# shared-memory operand (a third less operand traffic; the accumulator then holds one query's 32 heads a warp, 4 a
-# thread, summed by a reduce-scatter butterfly over a column's 8 lanes; 128 registers, no spills): 5.07 / 21.72
-# against 4.40 / 19.37 in fp32, 4.52 / 19.89 with a thread's 4 heads summed in bf16x2, 4.93 / 21.29 with two key tiles
-# in flight (bench_kernels_sweep_run36_h200.json; the code is in commit 11509dc, dropped): the butterfly's
-# selects, shuffles and adds cost more than the shared-memory reads they save. "mma_pairs", the same products and
-# sums as "mma" with one 8-byte store and one 8-byte scale read a lane and tile instead of four 4-byte ones on half
-# the lanes (112 registers): 3.81 / 16.74 against 4.43 / 18.90 (1153 / 1051 TFLOP/s), with registers for 5 CTAs per
-# SM (96, 12 B spilled) 3.96 / 17.35 (bench_kernels_sweep_run38_h200.json); the FP8 op 23.29 / 88.05 ms at 64K /
-# 128K against 25.68 / 96.75, the same ID sets (bench_kernels_topk_run38_h200.json).
-LOGITS_TUNABLES = {"block_N": 64, "num_stages": 1, "threads": 128, "warp_specialized": False,
-                   "full_tiles": True, "unchecked": True, "min_blocks": 4, "epilogue": "mma_pairs",
-                   "ks_global": False}
-
-
-# the logits kernel without the op's store and register options and with TileLang's own epilogue: what the
-# options must not change and what the register epilogues are checked against (the GPU tests)
-PLAIN_LOGITS = {"full_tiles": False, "unchecked": False, "min_blocks": 1, "epilogue": "tile", "ks_global": False}
+# The logits kernel's register bound, read per call (a benchmark times others beside it): registers for 4 CTAs per
+# SM (ptxas, CUDA 13.0: 112 registers with "mma_pairs", no spills).
+LOGITS_TUNABLES = {"min_blocks": 4}
 
 
 def logits_kernel(heads: int, dim: int, in_dtype: torch.dtype, target_arch: str):
     """The logits kernel the op runs: ``block_Q * heads = 128`` GEMM rows, :data:`LOGITS_TUNABLES`."""
-    tunables = {"block_Q": max(1, 128 // heads)} | LOGITS_TUNABLES
-    assert BLOCK_N % tunables["block_N"] == 0, "LOGITS_TUNABLES: block_N must divide BLOCK_N"
-    return compile_indexer_logits(heads, dim, target_arch, in_dtype, **tunables)
+    return compile_indexer_logits(heads, dim, target_arch, in_dtype,
+                                  **({"block_Q": max(1, 128 // heads)} | LOGITS_TUNABLES))
 
 
-# The select the op runs. candidates > 0 = the two-read kernel with this many shared-memory candidates; 0 =
-# the four-round kernel. H200 (bench_kernels.py --logits-sweep, same logits), ms at 32K / 64K: four rounds, 1024 threads 7.35 /
-# 22.9; two reads, 1024 threads, 3072 candidates 6.47 / 16.6; 512 threads, 2048 candidates 5.51 / 14.5 (less
-# shared memory: more rows' CTAs per SM). All pass tests/gpu/test_dsa_topk_cuda.py, including rows whose
-# threshold bin overflows into the fallback rounds. Then (2026-12-02) vector loads, per-warp slot atomics and
-# the register sort: the FP8 op at 64K 41.5 ms against 43.0 with the select before them, at 128K 153.1 against
-# 163.8 (benchmarks/results/bench_kernels_run10_h200.json; vector loads alone, at 32K: 5.40 against 5.76 ms).
-# Then (fifth session, S=32K, same logits, ms): 5.96 as above, 5.28 with the packed register sort, 4.84 with the
-# sampled first round, warp-shuffle scans, the packed sort and 3 CTAs' registers (select_sampled_min3 in
-# bench_kernels_sweep_run11_h200.json); the FP8 op at 64K 34.3 ms (select 12.5) against 40.7 with the kernels
-# before, at 128K 129.2 (select 37.4) against 152.4 (bench_kernels_topk_run11_h200.json). Per row, the select's
-# fixed work (sort, scans, rounds on the candidates) is then most of its time up to 32K keys. At 64K (same run,
-# bench_kernels_sweep_run12_h200.json): 12.10 ms, 14.40 for the select before the session, 11.47 with per-key
-# slot atomics (in the sampled pass ~8% of the keys take a slot: one atomic each is cheaper than a ballot,
-# popc and shuffle for every key; the register sort with key and id apart, 14.35, since dropped). With all of them, the FP8 op: 33.8 ms at 64K (logits 21.7, select 11.8)
-# against 41.1 with the kernels before the session, 127.4 at 128K (logits 90.7, select 35.1) against 151.4, the
-# same ID sets (bench_kernels_topk_run13_h200.json).
-# Then (sixth session, 64K, same logits, ms): 11.49 at the session's start; 7.94 with the counting sort of the
-# winners and the float bound (10.60 without both, all else as now), 6.96 with the sample read in 64-byte groups
-# and 3072 candidates (7.48 ungrouped, 7.03 with 4096) (benchmarks/results/bench_kernels_sweep_run16_h200.json,
-# bench_kernels_sweep_run18_h200.json). The FP8 op: 26.07 ms at 64K (logits 17.77, select 7.20) against 33.67 with
-# the session's starting kernels, 97.48 at 128K (76.13, 24.35) against 126.73 (bench_kernels_topk_run19_h200.json).
-# Nsight Compute (32K, 4096 candidates, ungrouped; ncu_select_32k_h200.txt): issue slots 68.5% busy, L1/shared
-# 77%, ALU 54%, no spills (the bitonic sort's: ALU 75%, 9.7M spill requests; ncu_topk_32k_h200.txt).
-# Read per call like LOGITS_TUNABLES (a benchmark patches the whole dict to time another select beside it);
-# keys it leaves out take build_topk_select's defaults, the select before any of these choices.
-SELECT_TUNABLES = {
-    "candidates": 3072,   # shared-memory candidates: the threshold bin's, or the sampled bound's (~1.3 topk)
-    "threads": 512,       # per row's CTA (a power of two dividing 4096 for the two-read select)
-    "vec": 4,             # scores per thread per trip over the row (one float4 load); must divide BLOCK_N
-    "sort_elems": 8,      # (key, id) pairs per thread in the register bitonic sort; 0 = all in shared memory
-    "warp_append": False,  # one shared atomic per key that takes a slot (True: one per warp, ballot and popc)
-    "sample": 8,          # rows of >= SAMPLE_MIN_ROW * candidates keys: the first round on every 8th vector
-    "warp_scan": True,    # the histograms' suffix sums through warp shuffles
-    "rank_sort": True,    # the winners ordered by a counting sort on their scores (bitonic where it is skewed)
-    "sample_group": 4,    # the sample in 64-byte groups of 4 vectors
-    "unroll": 2,          # the sampled passes and the float-bound pass: 2 vectors a thread in flight a trip (64K
-                          # alone: 6.63 ms against 6.96, 4: 6.85; bench_kernels_sweep_run21_h200.json)
-    "min_blocks": 3,      # registers for 3 CTAs per SM (as many as their shared memory allows)
-    "direct_rank": True,  # a sampled row's candidates ranked at once (no radix rounds on them): 6.52 ms alone at
-                          # 64K against 6.74 (bench_kernels_topk_run29_h200.json)
-}
+# The select the op runs (build_topk_select's arguments), read per call like LOGITS_TUNABLES: 512 threads, 3072
+# shared-memory candidates (the sampled bound keeps ~1.3 topk), float4 loads, 8 pairs a thread in the register
+# sort, a sample of one 64-byte group of 4 vectors in every 8, 2 vectors a thread in flight, registers for 3 CTAs
+# per SM (as many as their shared memory allows).
+SELECT_TUNABLES = {"threads": 512, "candidates": 3072, "vec": 4, "sort_elems": 8, "sample": 8, "sample_group": 4,
+                   "unroll": 2, "min_blocks": 3}
 
 
 def select_kernel(topk: int, target_arch: str):
@@ -1277,24 +1021,15 @@ def compile_topk_select(topk: int, target_arch: str = "sm_90a", **tunables):
 
 
 def ci_builds(target_arch: str = "sm_90a") -> dict:
-    """name -> thunk building (not running) one kernel of this family for `target_arch` (CI)."""
+    """name -> thunk building (not running) one kernel of this family for `target_arch` (CI), uncached: each
+    register epilogue the op dispatches to and the op's select."""
+    logits = lambda heads, dtype: (lambda: compile_indexer_logits.__wrapped__(        # noqa: E731
+        heads, 128, target_arch, dtype, **({"block_Q": 128 // heads} | LOGITS_TUNABLES)))
     return {
-        # the op's tiles (LOGITS_TUNABLES), uncached: CI builds every time
-        "indexer_logits[h32,d128]": lambda: compile_indexer_logits.__wrapped__(
-            32, 128, target_arch, torch.bfloat16, **({"block_Q": 4} | LOGITS_TUNABLES)),
-        "indexer_logits_fp8[h32,d128]": lambda: compile_indexer_logits.__wrapped__(
-            32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES)),
-        "indexer_logits_fp8_plain[h32,d128]": lambda: compile_indexer_logits.__wrapped__(    # the tests' baseline
-            32, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 4} | LOGITS_TUNABLES | PLAIN_LOGITS)),
-        "indexer_logits_fp8[h64,d128]": lambda: compile_indexer_logits.__wrapped__(    # "mma_pairs" takes "mma"
-            64, 128, target_arch, torch.float8_e4m3fn, **({"block_Q": 2} | LOGITS_TUNABLES)),
-        "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch),
-        "topk_select_two_reads[k2048]": lambda: compile_topk_select.__wrapped__(       # the op's select
-            2048, target_arch, **SELECT_TUNABLES),
-        "topk_select_hist_aggregate[k2048]": lambda: compile_topk_select.__wrapped__(  # bench_kernels' sweep
-            2048, target_arch, **(SELECT_TUNABLES | {"hist_aggregate": True, "sample": 0})),
-        "topk_select_unsampled[k2048]": lambda: compile_topk_select.__wrapped__(       # Hillis-Steele, shared sort
-            2048, target_arch, **(SELECT_TUNABLES | {"sample": 0, "warp_scan": False})),
+        "indexer_logits[h32,d128]": logits(32, torch.bfloat16),                     # "lanes"
+        "indexer_logits_fp8[h32,d128]": logits(32, torch.float8_e4m3fn),            # "mma_pairs"
+        "indexer_logits_fp8[h64,d128]": logits(64, torch.float8_e4m3fn),            # "mma"
+        "topk_select[k2048]": lambda: compile_topk_select.__wrapped__(2048, target_arch, **SELECT_TUNABLES),
     }
 
 
@@ -1302,24 +1037,15 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
 # launcher
 # --------------------------------------------------------------------------------------------------
 # fp32 scores materialised per query chunk. 2 GiB: 8K queries a chunk at 64K keys, 4K at 128K, so each logits
-# launch has thousands of one-warpgroup CTAs (with 1 GiB, 128K ran 64 chunks of 512 CTAs: an SM-wave tail each)
+# launch has thousands of one-warpgroup CTAs
 LOGITS_BUDGET_BYTES = 2 << 30
 BLOCK_N = 128
 # How the op runs its chunks. ``buffers`` 2: the select of chunk c runs on a side stream while the logits of
 # chunk c + 1 fill the other buffer (the select's CTAs fill the SMs the logits' wave tails leave), at twice the
 # buffer memory when the op has more than one chunk; 1: one buffer, logits then select, in order on the caller's
 # stream. ``select_priority``: the side stream's priority (lower is higher, CUDA's convention; 0 the default).
-# H200, FP8 op, round-robin in one process (bench_kernels_topk_run26/27_h200.json): two 2 GiB buffers 1.4% / 2.6%
-# faster at 64K / 128K (25.90 / 99.25 ms against 26.28 / 101.95) for 2 GiB more, and two 1 GiB ones slower than
-# one 2 GiB (26.97 / 103.33 against 26.41 / 101.53: twice the launches); the layer at 128K already peaks within
-# a few GiB of the H200's memory, so the op keeps one buffer. Chunks cut by area instead (as wide as their rows'
-# ends, so a causal range packs twice the rows: half the launches in the same memory, for one read-back of the
-# ends) were slower, 27.48 / 103.7 ms against 26.43 / 99.21, in their logits kernels (78.3 against 74.0 ms at
-# 128K), and so were the kernels taking the longest causal rows first (bench_kernels_topk_run28/29_h200.json);
-# both were dropped. So were (ninth session, bench_kernels_topk_run32_h200.json, same run, ms at 64K / 128K) chunks
-# of whole SM waves of both kernels (rows a multiple of 4 x 132 x 4 logits CTAs and 132 x 3 select CTAs: 6336 / 3960
-# rows): 26.61 / 104.42 against 25.78 / 101.39, and with registers for 3 logits CTAs per SM (7920 / 3168 rows): 26.19
-# / 98.26; the 4 GiB buffer beside them 24.92 / 97.60.
+# Two buffers are 1-3% faster at 64K / 128K for 2 GiB more (docs/kernels.md); the layer at 128K already peaks
+# within a few GiB of the H200's memory, so the op keeps one.
 LAUNCH_TUNABLES = {"buffers": 1, "select_priority": 0}
 
 

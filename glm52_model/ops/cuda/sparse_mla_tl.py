@@ -13,7 +13,8 @@ dkv accumulated with fp32 atomics into a [Sk, 576] buffer and cast to bf16 after
 rowsum(out * dout) is computed with PyTorch before the kernel. Two kernels, picked by `BWD_KERNEL`:
 the serial one (all threads gather, then the GEMM chain) and, for 64 heads, a warp-specialised one
 (producer warpgroup gathering into two stages; one consumer warpgroup computes S / P while the other
-computes dP, then they split the dKV and dQ GEMMs by latent columns).
+computes dP, then they split the dKV and dQ GEMMs by latent columns). The measured alternatives are in
+docs/kernels.md.
 """
 
 
@@ -430,41 +431,33 @@ def build_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int 
 
 
 def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: int = 576,
-                            dim_v: int = 512, block_I: int = 32, chunk: int = 128,
-                            nreg_s: int = 232, nreg_dp: int = 232, nreg_gather: int = 40,
-                            dkv_atomics: bool = True, dkv_slot_major: bool = False):
+                            dim_v: int = 512, block_I: int = 32, chunk: int = 64,
+                            nreg_s: int = 232, nreg_dp: int = 232, nreg_gather: int = 40):
     """Warp-specialised backward for one 64-head block (GLM-5.2's heads): the signature and results of
     `build_sparse_mla_bwd`; one CTA per query, 384 threads in three warpgroups. H200, 64 heads, 16K, top-k
-    2048, chunk 64: 53.3 ms (222 TFLOP/s) slot-major, 61.0 ms (194) latent-major, 22.7 ms latent-major with the
-    dKV atomics ablated, so the atomics below bound it (latent-major: ptxas, CUDA 13.0: 168 registers at launch, setmaxnreg 232/232/40; spill stores 796 B at chunk 64,
-    1012 B at 128, in the consumer warpgroups: mostly 64-bit wgmma descriptors kept across the slot loop).
+    2048, chunk 64: 53.3 ms (222 TFLOP/s).
 
     Shared memory (224 KiB dynamic at chunk 128): Q [64, 576] and dO [64, 512], kept in `chunk`-column
     pieces so that every GEMM operand is a whole buffer; two KV stages of block_I x 576; P and dS
     [64, block_I] bf16, one pair per stage. Nothing else fits, so dKV leaves registers directly as fp32
-    atomics, in one of two layouts (`dkv_slot_major`):
-    - False: the dKV GEMMs are computed transposed on wgmma, dKV^T [latent, slot] (M = latent
-      columns, a multiple of 64 as wgmma wants; block_I slots are only 32). A thread of that accumulator
-      holds consecutive slots, i.e. different dKV rows, so its atomics are scalar.
-    - True (the default, `BWD_WS_DKV = "slot"`): dKV [slot, latent] on mma.sync (TileLang picks it for M = 32);
-      a thread holds pairs of consecutive latent columns, so the atomics are x2, half as many, and ptxas
-      spills 188 B at chunk 64. The dKV GEMMs (40% of the FLOPs) then run on the older tensor-core path.
+    atomics: dKV [slot, latent] on mma.sync (TileLang picks it for M = 32 slots, below wgmma's 64); a thread
+    holds pairs of consecutive latent columns, so the atomics are x2 (ptxas, CUDA 13.0: 188 B spilled at chunk
+    64). The dKV GEMMs (40% of the FLOPs) run on the older tensor-core path.
 
     - warpgroup 2, producer (`nreg_gather` registers): after `free[st]`, gathers the latent rows of slot
       block `it` with cp.async into stage st = it % 2 (zero fill for masked slots), arrives `ready[st]`;
     - warpgroup 0 (`nreg_s`): S = Q K^T, P = exp(S - lse) -> p_s[st] (arrive `p_ready[st]`);
-      dKV^T[c] = dO_c^T P for the value chunks c < NC/2 (its first GEMM overlaps warpgroup 1 forming dS);
-      after `ds_ready[st]`: dKV^T[c] += Q_c^T dS, atomics; dQ[:, :D/2] and dQ_rope += dS K; then arrives
+      dKV[c] = P^T dO_c for the value chunks c < NC/2 (its first GEMM overlaps warpgroup 1 forming dS);
+      after `ds_ready[st]`: dKV[c] += dS^T Q_c, atomics; dQ[:, :D/2] and dQ_rope += dS K; then arrives
       `ds_free[st]` and `free[st]`;
     - warpgroup 1 (`nreg_dp`): dP = dO V^T (concurrently with S); after `p_ready[st]`: dS = P (dP - delta)
-      scale -> ds_s[st] (after `ds_free[st]` of block it - 2; arrive `ds_ready[st]`); dKV^T for the value
+      scale -> ds_s[st] (after `ds_free[st]` of block it - 2; arrive `ds_ready[st]`); dKV for the value
       chunks >= NC/2 (then arrives `p_free[st]`: its last read of P) and the rope tail (Q_rope^T dS);
       dQ[:, D/2:D] += dS K; arrives `free[st]`.
 
     Work per slot and head (multiply-adds): warpgroup 0 576 (S) + 320 (dQ) + 512 (dKV) = 1408, warpgroup 1
     512 (dP) + 256 (dQ) + 576 (dKV) = 1344. P reaches warpgroup 1 as bf16 (p_s), so dS uses the rounded P
-    (the serial kernel: fp32). `dkv_atomics=False` is an ablation (no dKV written). `topk` a multiple of
-    2 * block_I; the register split must sum to <= 504 (168 x 3 at launch).
+    (the serial kernel: fp32). `topk` a multiple of 2 * block_I; the register split must sum to <= 504 (168 x 3 at launch).
     """
     assert heads == 64, "the warp-specialised backward is laid out for one 64-head block"
     assert topk % (2 * block_I) == 0 and block_I % 16 == 0
@@ -495,37 +488,26 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
 
     @T.macro
     def scatter(dKV, slot, col0, ncols, acc):
-        # acc = dKV^T [ncols latent, block_I slots] (or dKV [block_I, ncols] when slot-major), to
-        # dKV[slot, col0:col0 + ncols]; `slot` holds the block's latent rows (-1 masked) in registers,
-        # loaded once per block
-        if dkv_atomics:                               # False: an ablation (dKV is not written)
-            if dkv_slot_major:
-                for j, l2 in T.Parallel(block_I, ncols // 2):
-                    if slot[j] >= 0:
-                        T.atomic_addx2(dKV[slot[j], col0 + 2 * l2], acc[j, 2 * l2])
-            else:
-                for l, j in T.Parallel(ncols, block_I):
-                    if slot[j] >= 0:
-                        T.atomic_add(dKV[slot[j], col0 + l], acc[l, j])
+        # acc = dKV [block_I slots, ncols latent], to dKV[slot, col0:col0 + ncols] as paired fp32 atomics; `slot`
+        # holds the block's latent rows (-1 masked) in registers, loaded once per block
+        for j, l2 in T.Parallel(block_I, ncols // 2):
+            if slot[j] >= 0:
+                T.atomic_addx2(dKV[slot[j], col0 + 2 * l2], acc[j, 2 * l2])
 
     @T.macro
     def dkv_gemm(a_t, b_s, acc, clear):
-        # dKV^T += a_t^T b_s ([cols, slots], wgmma) or, slot-major, dKV += b_s^T a_t ([slots, cols])
-        if dkv_slot_major:
-            T.gemm(b_s, a_t, acc, transpose_A=True, clear_accum=clear)
-        else:
-            T.gemm(a_t, b_s, acc, transpose_A=True, clear_accum=clear)
+        # dKV += b_s^T a_t ([slots, cols])
+        T.gemm(b_s, a_t, acc, transpose_A=True, clear_accum=clear)
 
     @T.macro
     def s_step(Idx, dKV, s_i, it, qc, qt_s, doc, kvc, kt, p_s, ds_s, lse2, slot, kslot, acc_s, acc_dq,
                acc_dqt, acc_kv, ready, free, p_ready, p_free, ds_ready, ds_free):
         # warpgroup 0, slot block `it` in stage (kvc, kt); the index loads precede the wait. `kslot`: the
-        # same rows in the slot-major dKV accumulator's layout (else `slot` itself)
+        # same rows in the dKV accumulator's layout
         for i in T.Parallel(block_I):
             slot[i] = Idx[s_i, it * block_I + i]
-        if dkv_slot_major:
-            for i in T.Parallel(block_I):
-                kslot[i] = Idx[s_i, it * block_I + i]
+        for i in T.Parallel(block_I):
+            kslot[i] = Idx[s_i, it * block_I + i]
         T.barrier_wait(ready, (it // 2) & 1)
         for h, i in T.Parallel(HB, block_I):
             acc_s[h, i] = T.if_then_else(slot[i] >= 0, 0, -T.infinity(accum))
@@ -537,7 +519,7 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
             acc_s[h, i] = T.exp2(acc_s[h, i] * scale2 - lse2[h])
         T.barrier_wait(p_free, ((it // 2) & 1) ^ 1)   # warpgroup 1 is done with P of block it - 2
         T.copy(acc_s, p_s)
-        T.fence_proxy_async()                         # P is read by wgmma (both warpgroups' dKV)
+        T.fence_proxy_async()                         # P is read by the tensor cores (both warpgroups' dKV)
         T.barrier_arrive(p_ready)
         for c in CH0:
             dkv_gemm(doc[c], p_s, acc_kv, True)
@@ -575,7 +557,7 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
             dkv_gemm(doc[c], p_s, acc_kv, True)
             dkv_gemm(qc[c], ds_s, acc_kv, False)
             scatter(dKV, slot, c * chunk, chunk, acc_kv)
-        T.barrier_arrive(p_free)                      # last read of this P (its dKV^T GEMMs)
+        T.barrier_arrive(p_free)                      # last read of this P (its dKV GEMMs)
         dkv_gemm(qt_s, ds_s, acc_kt, True)
         scatter(dKV, slot, D, DT, acc_kt)
         for c in CH1:
@@ -610,17 +592,16 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
             delta = T.alloc_fragment([HB], accum)
             slot0 = T.alloc_fragment([block_I], T.int32)    # latent rows of the block, warpgroup 0
             slot1 = T.alloc_fragment([block_I], T.int32)    # the same, warpgroup 1
-            kslot0 = T.alloc_fragment([block_I], T.int32) if dkv_slot_major else slot0
+            kslot0 = T.alloc_fragment([block_I], T.int32)
             acc_s = T.alloc_fragment([HB, block_I], accum)
             acc_dp = T.alloc_fragment([HB, block_I], accum)
             p_frag = T.alloc_fragment([HB, block_I], dtype)
             acc_dq0 = [T.alloc_fragment([HB, chunk], accum) for _ in range(NC0)]
             acc_dq1 = [T.alloc_fragment([HB, chunk], accum) for _ in range(NC - NC0)]
             acc_dqt = T.alloc_fragment([HB, DT], accum)
-            kv_shape = [block_I, chunk] if dkv_slot_major else [chunk, block_I]
-            acc_kv0 = T.alloc_fragment(kv_shape, accum)
-            acc_kv1 = T.alloc_fragment(kv_shape, accum)
-            acc_kt = T.alloc_fragment([block_I, DT] if dkv_slot_major else [DT, block_I], accum)
+            acc_kv0 = T.alloc_fragment([block_I, chunk], accum)
+            acc_kv1 = T.alloc_fragment([block_I, chunk], accum)
+            acc_kt = T.alloc_fragment([block_I, DT], accum)
             ready0 = T.alloc_barrier(arrive_count=128)
             ready1 = T.alloc_barrier(arrive_count=128)
             free0 = T.alloc_barrier(arrive_count=256)
@@ -722,9 +703,7 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
         "sparse_mla_fwd_ws[h64,k2048]": (compile_sparse_mla_fwd_ws, {"block_I": FWD_BLOCK_I}),
         "sparse_mla_bwd[h64,k2048]": (compile_sparse_mla_bwd, bwd_tunables(64)),
         "sparse_mla_bwd_ws[h64,k2048]": (compile_sparse_mla_bwd_ws, ws),
-        # bench_kernels' other chunk width, and the other dKV layout
-        "sparse_mla_bwd_ws_chunk128[h64,k2048]": (compile_sparse_mla_bwd_ws, {**ws, "chunk": 128}),
-        "sparse_mla_bwd_ws_slot_major[h64,k2048]": (compile_sparse_mla_bwd_ws, {**ws, "dkv_slot_major": True}),
+        "sparse_mla_bwd_ws_chunk128[h64,k2048]": (compile_sparse_mla_bwd_ws, {**ws, "chunk": 128}),  # bench sweep
     }
     return {name: functools.partial(fn.__wrapped__, 64, 2048, scale, target_arch, **tun)
             for name, (fn, tun) in builds.items()}
@@ -745,16 +724,11 @@ FWD_KERNEL = "pipelined"
 # Backward kernel for 64 padded heads, read at every call like FWD_KERNEL: "serial" =
 # build_sparse_mla_bwd, "pipelined" = build_sparse_mla_bwd_ws (warp-specialised; d_v a multiple of 256,
 # topk padded to a multiple of 2 * BWD_WS_BLOCK_I). Other head counts always run the serial kernel.
-# H200, torch 2.11, 64 heads, S=16K, top-k 2048 (benchmarks/results/bench_kernels_run9_h200.json, one run):
-# pipelined with slot-major dKV 53.3 ms / 222 TFLOP/s; latent-major 61.0 ms / 194 (22.7 ms without its dKV
-# atomics); serial 72.7 ms / 163. BWD_WS_CHUNK 64 (128: 64.6 ms latent-major). All pass the GPU tests.
+# H200, 64 heads, S=16K, top-k 2048: pipelined 53.3 ms / 222 TFLOP/s, serial 72.7 ms / 163. Both pass the GPU
+# tests.
 BWD_KERNEL = "pipelined"
 BWD_WS_BLOCK_I = 32
 BWD_WS_CHUNK = 64       # latent columns per shared piece of Q / dO / KV
-# How the pipelined backward's dKV leaves registers: "slot" = dKV [slot, latent] on mma.sync (M = 32 slots is
-# below wgmma's 64), paired (x2) fp32 atomics; "latent" = dKV^T [latent, slot] on wgmma, scalar fp32 atomics
-# (twice as many; the default until 2026-12).
-BWD_WS_DKV = "slot"
 
 
 def bwd_tunables(padded_h: int) -> dict:
@@ -826,9 +800,7 @@ def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     pipelined = BWD_KERNEL == "pipelined" and Hp == 64 and d_v % 256 == 0
     if pipelined:
         # two shared stages: the pipelined kernel walks the slots two blocks at a time
-        if BWD_WS_DKV not in ("latent", "slot"):
-            raise ValueError(f"sparse_mla_bwd_tl: BWD_WS_DKV must be 'latent' or 'slot', got {BWD_WS_DKV!r}")
-        tun = {"block_I": BWD_WS_BLOCK_I, "chunk": BWD_WS_CHUNK, "dkv_slot_major": BWD_WS_DKV == "slot"}
+        tun = {"block_I": BWD_WS_BLOCK_I, "chunk": BWD_WS_CHUNK}
         idx = _prep_indices(indices, 2 * BWD_WS_BLOCK_I)
         compile_bwd = compile_sparse_mla_bwd_ws
     else:
