@@ -27,11 +27,14 @@ setup(
             "hypothesis>=6",  # property-based tests of the pass (tests/test_fuzz.py)
             "expecttest==0.3.0",  # golden graph files (tests/expected_graphs; EXPECTTEST_ACCEPT=1 rewrites)
             "transformers==5.24.0",  # the checks on its GLM-5 DSA model (tests/test_discrete.py)
+            "matplotlib>=3.8",  # the results page's plots, drawn and checked by tests/test_results_page.py
         ],
         "cuda": ["tilelang==0.1.15"],  # TileLang kernels for the H200 (built in CI, run on the GPU)
+        # sacpass.integrations.torchtitan (docs/torchtitan.md); triton: its MoE imports it, also without a GPU
+        "torchtitan": ["torchtitan==0.3.0", "triton==3.9.0"],
     },
     entry_points={
-        "torch_dynamo_backends": ["sacpass = sacpass.backend:sacpass_backend"],
+        "torch_dynamo_backends": ["sacpass = sacpass.compiler:sacpass_backend"],
         "console_scripts": ["sacpass = sacpass.__main__:main"],
     },
 )

@@ -1,6 +1,6 @@
 """Layer benchmark: one GLM-5.2 MoE decoder layer (full top-k, FP8), forward+backward, several variants.
 
-    python3 benchmarks/bench_layer.py --seq 4096,8192,16384,32768,65536 --out benchmarks/results/bench_layer_h200.json
+    python3 benchmarks/bench_layer.py --seq 4096,8192,16384,32768,65536 --out benchmarks/results/layer_h200.json
     python3 benchmarks/bench_layer.py --device cpu --preset tiny --seq 128 --steps 2     # smoke test
 
 Variants (one process, the same weights and the same inputs for every variant) are named builders in

@@ -1,15 +1,15 @@
-"""The memory-speed frontier on a stack of GLM-5.2-width layers: several variants, one process (issue 15).
+"""The memory-speed frontier on a stack of GLM-5.2-width layers: several variants, one process.
 
     python3 benchmarks/bench_model.py --layers 16 --seq 65536 --variants control,sacpass,plan \
-        --host-gib 4 --out benchmarks/results/bench_model_h200.json
+        --host-gib 4 --out benchmarks/results/frontier_16layers_64k_h200.json
 
-The model is ``GLM52ForCausalLM(GLM52Config.bench(num_layers=N, mtp_layers=0))`` in bf16 with FP8 linears (and,
-since issue 13, FP8 routed experts: the bench preset's FP8 recipe; ``--experts bf16`` for the bf16 experts every
-result before 2026-12-01 was measured with) and the TileLang kernels: full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder
-layer is compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from
-the same seed, one compiling step, ``--warmup`` more, then the median of ``--steps`` timed fwd+bwd steps (CUDA
-events), the peak allocated memory of the timed steps, the host bytes offloaded and how much of the reload
-was prefetched, the backward top-k runs, and the loss.
+The model is ``GLM52ForCausalLM(GLM52Config.bench(num_layers=N, mtp_layers=0))`` in bf16 with FP8 linears and FP8
+routed experts (the bench preset's FP8 recipe; ``--experts bf16`` for bf16 routed experts) and the TileLang kernels:
+full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder layer is
+compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from the same seed,
+one compiling step, ``--warmup`` more, then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
+allocated memory of the timed steps, the host bytes offloaded and how much of the reload was prefetched, the
+backward top-k runs, and the loss.
 
 Variants: ``control`` (full recompute: sacpass with no policy at all, i.e. PyTorch's min-cut over checkpoints
 that recompute every op, the top-k included), ``sacpass`` (the default backend), ``offload_ids`` (the top-k

@@ -34,7 +34,7 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "select_sweep_64k_h200.j
          "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
          "budget_solvers_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
-VARIANT_LABELS = {"session_start": "previous kernels (`PREVIOUS_*`)", "default": "default"}
+VARIANT_LABELS = {"default": "default"}
 
 
 class ResultsError(Exception):
@@ -120,6 +120,13 @@ def r_topk_op(e, plots):
         rows.append([kb(t["S"]), f(t.get("tilelang_ms")), f(t.get("fp8_ms")), f(t.get("fp8_speedup"), ".3f"),
                      f"{f(t.get('fp8_id_overlap_mean'), '.3f')} / {f(t.get('fp8_id_overlap_min'), '.3f')}"])
     out += table(["S", "bf16 op", "FP8 op", "FP8 speedup", "FP8 vs bf16 ID overlap (mean / worst row)"], rows)
+    kernels = [[kb(t["S"])] + [f(_kernel_ms(t, k)) for k in ("indexer_logits_kernel", "topk_select_kernel")]
+               for t in e["data"]["topk"] if t.get("fp8_kernels")]
+    if kernels:
+        out += ["The FP8 op's kernels (CUDA profiler), ms:", ""]
+        out += table(["S", "logits kernel", "select kernel"], kernels)
+    if not any(t.get("fp8_variants_ms") for t in e["data"]["topk"]):
+        return out
     out += ["FP8 op variants, ms (medians of the rounds; back to back: calls queued without a synchronisation "
             "between them, as in a training step):", ""]
     rows = []
@@ -135,6 +142,10 @@ def r_topk_op(e, plots):
     name = "topk_op_h200.png"
     plots.append((name, lambda path: plot_topk(e["data"], path)))
     return out + [f"![FP8 op per variant]({'results/' + name})", ""]
+
+
+def _kernel_ms(t: dict, name: str):
+    return next((k["ms"] for k in t["fp8_kernels"] if k["name"] == name), None)
 
 
 def r_logits_sweep(e, plots):
@@ -393,7 +404,7 @@ def plot_topk(d: dict, path: str) -> None:
         ax.bar(xs, logits, label="logits kernel")
         ax.bar(xs, select, bottom=logits, label="select kernel")
         ax.scatter(xs, call, color="k", zorder=3, label="synchronised call")
-        ax.set_xticks(list(xs), ["previous" if v == "session_start" else v for v in vs], fontsize=8)
+        ax.set_xticks(list(xs), list(vs), fontsize=8)
         ax.set_title(f"FP8 op, S={kb(t['S'])}", fontsize=9)
         ax.set_ylabel("ms")
         ax.grid(axis="y", alpha=0.3)

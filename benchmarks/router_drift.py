@@ -1,4 +1,4 @@
-"""Does the GLM-5.2 router's recompute pick other experts than its forward? (issue 12, on the H200)
+"""Does the GLM-5.2 router's recompute pick other experts than its forward? (on the H200)
 
     python3 benchmarks/router_drift.py --seq 4096 --steps 300 --out benchmarks/results/router_drift_h200.json
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 import sacpass
-from sacpass.backend import INNERS
+from sacpass.options import INNERS
 from sacpass.testing import OpCounter
 from glm52_model import GLM52Config, GLM52ForCausalLM
 from glm52_model.compile import apply_compile

@@ -18,7 +18,7 @@ from .selectors import (  # noqa: E402
 from .policies import Policy, clear_registry, register_must_save, registered_must_save  # noqa: E402
 from .plan import CostModel, Plan  # noqa: E402
 from .report import Decision, Report, SavedTensor, format_report, print_report  # noqa: E402
-from .backend import Backend, backend, named_backend  # noqa: E402
+from .compiler import Backend, backend, named_backend  # noqa: E402
 from .context import context_fn  # noqa: E402
 
 __all__ = [

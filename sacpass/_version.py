@@ -1,6 +1,9 @@
-"""sacpass version and the torch versions it supports."""
+"""sacpass version, the torch versions it supports, and the digest of the sources a process runs."""
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
 import warnings
 
 __version__ = "0.1.0"
@@ -32,3 +35,23 @@ def check_torch_version(version: str | None = None) -> tuple[int, int]:
             f"{MAX_TESTED_TORCH[0]}.{MAX_TESTED_TORCH[1]}; the partitioner may have changed. "
             f"Run the sacpass test suite on it before relying on the saved set.", SacpassWarning, stacklevel=3)
     return parsed
+
+
+@functools.lru_cache(maxsize=None)
+def _files_digest() -> str:
+    """sacpass's sources as this process read them: hashed once, so an edit on disk while a process runs
+    (whose code stays what it imported) does not change its keys."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for sub in ("", "passes", "partitioner"):
+        folder = os.path.join(root, sub)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def sources_digest() -> str:
+    """The code this process partitions with: the versions and the sources (a part of every cache key)."""
+    return hashlib.sha256(f"{__version__}:{PASS_VERSION}:{_files_digest()}".encode()).hexdigest()[:16]

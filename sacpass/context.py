@@ -22,7 +22,6 @@ accepts for ``context_fn``, with a ``cache_hash`` for the AOTAutograd cache):
 from __future__ import annotations
 
 import functools
-import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from .errors import SacpassError, warn
+from .frames import locals_of
 from .nodes import clean_module_path, dtype_text
 from .policies import Policy
-from .selectors import (INT32_LIMIT, VALUE_INDEX_OPS, CollectiveSelector, DiscreteSelector, ModuleOpSelector,
-                        PredicateSelector, bound_args, is_discrete_op, selection_extent, tensors_in)
+from .selectors import (INT32_LIMIT, VALUE_INDEX_OPS, DiscreteSelector, ModuleOpSelector, PredicateSelector,
+                        bound_args, is_discrete_op, selection_extent, tensors_in)
 
 __all__ = ["context_fn", "ContextSpec", "KeptValue"]
 
@@ -71,16 +71,10 @@ _SPECS: dict[str, ContextSpec] = {}
 def _eager_modules() -> list[tuple[str, str]]:
     """[(path relative to the outermost module being called, class name)] of the modules running now, read
     off the Python call stack (``Module._call_impl`` frames): no hooks, nothing installed globally."""
-    call_impl = torch.nn.Module._call_impl.__code__
     mods: list[torch.nn.Module] = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is call_impl:
-            m = frame.f_locals.get("self")
-            if isinstance(m, torch.nn.Module) and (not mods or mods[-1] is not m):
-                mods.append(m)
-        frame = frame.f_back
-    mods.reverse()
+    for m in locals_of(torch.nn.Module._call_impl.__code__, "self"):
+        if isinstance(m, torch.nn.Module) and (not mods or mods[-1] is not m):
+            mods.append(m)
     out, path = [], ""
     for i, m in enumerate(mods):
         if i > 0:
@@ -106,8 +100,9 @@ def _traced_modules() -> list[tuple[str, str]]:
 
 # --------------------------------------------------------------------------------------------- choice
 def _action(policy: Policy, op, args, out, modules_fn) -> tuple[str, str] | None:
-    """(action, reason) for one op call: recompute > offload > save > registered > defaults. The module stack
-    (``modules_fn()``) is looked up only when a module-scoped selector names this op."""
+    """(action, reason) for one op call, by :meth:`Policy.action`'s precedence; None: recompute it
+    (PyTorch's default in a checkpoint). The module stack (``modules_fn()``) is looked up only when a
+    module-scoped selector names this op; a discrete decision is told by the op's values (``out``)."""
     stack: list = []
 
     def modules():
@@ -115,29 +110,27 @@ def _action(policy: Policy, op, args, out, modules_fn) -> tuple[str, str] | None
             stack.append(modules_fn())
         return stack[0]
 
-    def hit(sels):
-        for s in sels:
-            if isinstance(s, ModuleOpSelector):
-                if s.op.matches_op(op) and s.matches_module(modules()):
-                    return s
-            elif s.matches_op(op):
-                return s
-        return None
+    def selects(s) -> bool:
+        if isinstance(s, ModuleOpSelector):
+            return s.op.matches_op(op) and s.matches_module(modules())
+        if isinstance(s, DiscreteSelector):
+            return out is not None and is_discrete_op(op, args, out)
+        return s.matches_op(op)
 
-    if hit(policy.recompute):
+    def what() -> str:
+        path = modules()[-1][0] if modules() else ""
+        return f"op call {op} (module {path or '<root>'})"
+
+    chosen = policy.action(selects, what)
+    if chosen is None:
         return None
-    if hit(policy.offload):
-        return "offload", "offload"
-    if hit(policy.save) or hit(policy.registered):
-        if op._schema.name in VALUE_INDEX_OPS and out is not None and is_discrete_op(op, args, out):
-            return "discrete", "discrete"  # its indices, narrowed, as the compiled pass keeps it
-        return "save", "must-save"
-    for s in policy.defaults:
-        if isinstance(s, DiscreteSelector) and out is not None and is_discrete_op(op, args, out):
-            return "discrete", "discrete"
-        if isinstance(s, CollectiveSelector) and s.matches_op(op):
-            return "save", "must-save"
-    return None
+    action, sel = chosen
+    if action != "save":
+        return action, action
+    discrete = isinstance(sel, DiscreteSelector) or (
+        op._schema.name in VALUE_INDEX_OPS and out is not None and is_discrete_op(op, args, out))
+    # a discrete decision keeps its indices, narrowed, as the compiled pass keeps it
+    return ("discrete", "discrete") if discrete else ("save", "must-save")
 
 
 def _compile_policy(spec: ContextSpec, ctx, op, *args, **kwargs):
@@ -147,9 +140,8 @@ def _compile_policy(spec: ContextSpec, ctx, op, *args, **kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE
     chosen = _action(spec.policy, op, args, getattr(ctx, "op_output", None), _traced_modules)
     if chosen is None:
-        recompute = any(s.matches_op(op, _traced_modules()) for s in spec.policy.recompute)
-        return CheckpointPolicy.MUST_RECOMPUTE if recompute else CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_RECOMPUTE if chosen[0] == "recompute" else CheckpointPolicy.MUST_SAVE
 
 
 # ---------------------------------------------------------------------------------------------- eager
@@ -199,7 +191,7 @@ class _ForwardMode(_PolicyMode):
             return out
         chosen = _action(self.spec.policy, func, args, out, _eager_modules)
         entry = _Entry("recompute")
-        if chosen is not None:
+        if chosen is not None and chosen[0] != "recompute":
             action, reason = chosen
             kind = VALUE_INDEX_OPS.get(func._schema.name)
             if action == "discrete" and kind is not None and isinstance(out, tuple):

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
-import sys
 import warnings
+
+from .frames import first_outside
 
 
 class SacpassError(Exception):
@@ -54,13 +55,12 @@ class SacpassWarning(UserWarning):
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _in_library(path: str) -> bool:
+    return path.startswith(_PACKAGE) or f"{os.sep}torch{os.sep}" in path
+
+
 def warn(message: str, category: type[Warning] = SacpassWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside sacpass (and outside torch's compile
     machinery), so the warning points at the user's line, not into the library."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_PACKAGE) and f"{os.sep}torch{os.sep}" not in path:
-            break
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)
+    found = first_outside(_in_library, skip=1)
+    warnings.warn(message, category, stacklevel=found[0] + 1 if found is not None else 2)

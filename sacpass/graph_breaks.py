@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import warn
-from .nodes import stack_frames
+from .frames import innermost_frame, site, traceback_locals
 
 __all__ = ["EagerRegion", "watch", "eager_regions", "hint"]
 
@@ -85,10 +85,6 @@ def hint() -> str:
 
 
 # ------------------------------------------------------------------------------------- the message
-def _short(path: str, line: int | str) -> str:
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
-
-
 def _reason(message: str) -> str:
     text = message.split("Graph Break Reason:", 1)[-1]
     text = text.split("User code traceback:", 1)[0]
@@ -101,8 +97,8 @@ def _reason(message: str) -> str:
 
 
 def _break_site(message: str) -> str:
-    frames = stack_frames(message.split("User code traceback:", 1)[-1])
-    return _short(*frames[-1][:2]) if frames else ""
+    frame = innermost_frame(message.split("User code traceback:", 1)[-1])
+    return frame.site if frame is not None else ""
 
 
 # -------------------------------------------------------------------------- the checkpoint's frame
@@ -114,15 +110,14 @@ def _exception_chain(exc: BaseException | None) -> list[BaseException]:
     return out
 
 
+def _traces_checkpoint(f_locals: dict[str, Any]) -> bool:
+    """Whether a frame's locals are those of Dynamo tracing a checkpoint call."""
+    return "context_fn" in f_locals and "args" in f_locals and "Checkpoint" in type(f_locals.get("self")).__name__
+
+
 def _hop_frame_locals(tb: TracebackType | None) -> dict[str, Any]:
-    """Locals of the frame in ``tb`` where Dynamo traced the checkpoint call ({} when none is found)."""
-    found: dict[str, Any] = {}
-    while tb is not None:
-        f_locals = tb.tb_frame.f_locals
-        if "context_fn" in f_locals and "args" in f_locals and "Checkpoint" in type(f_locals.get("self")).__name__:
-            found = f_locals
-        tb = tb.tb_next
-    return found
+    """Locals of the innermost frame in ``tb`` where Dynamo traced the checkpoint call ({} when none is found)."""
+    return next((f for f in reversed(traceback_locals(tb)) if _traces_checkpoint(f)), {})
 
 
 def checkpoint_call(exc: BaseException | None) -> dict[str, Any] | None:
@@ -164,7 +159,7 @@ def _module_label(module: torch.nn.Module | None) -> str:
 def _call_site(f_locals: dict[str, Any]) -> str:
     try:
         summary = f_locals["tx"].frame_summary()
-        return _short(summary.filename, summary.lineno)
+        return site(summary.filename, summary.lineno)
     except Exception:  # no translator in this frame
         return ""
 
@@ -184,18 +179,15 @@ def _context_of(context_fn: Any, policy) -> tuple[str, str]:
 
 
 def _sacpass_backend():
-    """(whether Dynamo compiles for a sacpass backend, that Backend when it is one object)."""
+    """(whether Dynamo compiles for a sacpass backend, that backend's policy when it is one object). A sacpass
+    backend (the Backend object, the named entry point) carries ``is_sacpass_backend``."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    from .backend import Backend
 
     tx = InstructionTranslator.current_tx()
     fn, seen = getattr(getattr(tx, "output", None), "compiler_fn", None), 0
     while fn is not None and seen < 8:
-        if isinstance(fn, Backend):
-            return True, fn
-        if getattr(fn, "__module__", "") == "sacpass.backend":
-            return True, None
+        if getattr(fn, "is_sacpass_backend", False) is True:
+            return True, getattr(fn, "policy", None)
         fn = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
               or getattr(fn, "_compiler_fn", None))
         seen += 1
@@ -208,10 +200,10 @@ def region_of(message: str, exc: BaseException | None) -> EagerRegion | None:
     call = checkpoint_call(exc)
     if call is None:
         return None
-    ours, backend = _sacpass_backend()
+    ours, policy = _sacpass_backend()
     if not ours:
         return None
-    context, applied = _context_of(call.get("context_fn"), backend.policy if backend is not None else None)
+    context, applied = _context_of(call.get("context_fn"), policy)
     args = call.get("args") or [None]
     return EagerRegion(_module_label(_checkpointed_module(args[0])), _call_site(call), _break_site(message),
                        _reason(message), context, applied)

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from .frames import innermost_frame
+
 __all__ = [
-    "node_op", "op_name", "module_stack", "module_path", "clean_module_path", "source_of", "stack_frames",
-    "code_line",
+    "node_op", "op_name", "module_stack", "module_path", "clean_module_path", "source_of", "code_line",
     "value_text", "tensor_nbytes", "node_nbytes", "size_hint", "shape_text", "dtype_text", "is_getitem",
     "is_view", "is_cast", "is_cast_or_view", "is_cheap_unary", "unpackers", "backward_part", "recomputed_names",
     "tag_name", "NodeFacts", "snapshot",
@@ -139,38 +140,16 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 # ------------------------------------------------------------------------------------------- source
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<func>.+))?$')
-
-
-def stack_frames(text: str) -> list[tuple[str, int, str]]:
-    """(file, line, function) of each ``File "...", line N, in f`` line of a formatted stack, outermost first."""
-    out = []
-    for line in (text or "").splitlines():
-        m = _FRAME.match(line)
-        if m:
-            out.append((m["file"], int(m["line"]), (m["func"] or "").strip()))
-    return out
-
-
 def source_of(node: torch.fx.Node) -> str:
     """'file.py:line' of the innermost user frame in the node's stack trace ('' when unknown)."""
-    frames = stack_frames(node.meta.get("stack_trace") or "")
-    if not frames:
-        return ""
-    path, lineno, _ = frames[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{lineno}"
+    frame = innermost_frame(node.meta.get("stack_trace"))
+    return frame.site if frame is not None else ""
 
 
 def code_line(node: torch.fx.Node) -> str:
     """The innermost source line of a node's stack trace (the line under the last ``File "..."``)."""
-    code, seen_file = "", False
-    for line in (node.meta.get("stack_trace") or "").splitlines():
-        stripped = line.strip()
-        if stripped.startswith('File "'):
-            seen_file, code = True, ""
-        elif seen_file and stripped and not code and not set(stripped) <= set("^~ "):
-            code = stripped
-    return code
+    frame = innermost_frame(node.meta.get("stack_trace"))
+    return frame.code if frame is not None else ""
 
 
 # ------------------------------------------------------------------------------------------- values

@@ -366,6 +366,20 @@ def _stream(kind: str, device: torch.device) -> "torch.cuda.Stream":
     return _STREAMS[key]
 
 
+def _side_copy(kind: str, device: torch.device, dst: Tensor, src: Tensor, after=None) -> "torch.cuda.Event":
+    """``dst.copy_(src)`` on ``device``'s ``kind`` stream, ordered after the compute stream's work so far (the
+    source's producer, the destination's allocation) and after the event ``after``; returns its completion."""
+    stream = _stream(kind, device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
 def _drain() -> None:
     """Settle the host tensors that died since the last call: their entries go, their blocks go back to the
     pool (after their copies). Storage finalizers only queue the address, so a collection that runs inside
@@ -405,15 +419,8 @@ def _issue_reload(entry: _Entry, device: torch.device) -> None:
     src = _block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
     dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
     if device.type == "cuda":
-        stream = _stream("h2d", device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the allocation is ordered before the copy
-        if entry.d2h is not None:
-            stream.wait_event(entry.d2h)
-        with torch.cuda.stream(stream):
-            dev.copy_(src, non_blocking=True)
-            entry.h2d = torch.cuda.Event()
-            entry.h2d.record(stream)
-        dev.record_stream(stream)  # freed unconsumed (a dropped prefetch): reused only after the copy
+        entry.h2d = _side_copy("h2d", device, dev, src, after=entry.d2h)
+        dev.record_stream(_stream("h2d", device))  # freed unconsumed (a dropped prefetch): reused after the copy
         entry.block.events["h2d"] = entry.h2d
     else:
         dev.copy_(src)
@@ -493,15 +500,10 @@ def offload(x: Tensor, index: int) -> Tensor:
         _STATS.peak_host_bytes = max(_STATS.peak_host_bytes, _STATS.host_bytes_alive)
         _STATS.offloaded_bytes += nbytes
         if on_cuda:
-            stream = _stream("d2h", x.device)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):
-                host.copy_(x, non_blocking=True)
-                entry.d2h = torch.cuda.Event()
-                entry.d2h.record(stream)
+            entry.d2h = _side_copy("d2h", x.device, host, x)
             block.events["d2h"] = entry.d2h
             # x's memory is handed out again only after the copy: free as soon as the forward drops x
-            x.record_stream(stream)
+            x.record_stream(_stream("d2h", x.device))
     if not on_cuda:
         host.copy_(x)
     return host

@@ -24,7 +24,7 @@ class CostModel:
 
     FLOPs come from ``torch.utils.flop_counter``'s formulas (ATen matmuls, attention, ``_scaled_mm``, and
     whatever a model registers for its custom ops with ``register_flop_formula``); bytes are the op's input
-    and output tensor bytes. The defaults are the H200 as measured in this project (FACTS.md): dense bf16
+    and output tensor bytes. The defaults are the H200 as measured on it: dense bf16
     GEMMs at 790 TFLOP/s, blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s
     each way; ``efficiency`` scales the rates to what whole kernels reach.
     """

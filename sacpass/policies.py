@@ -4,17 +4,23 @@ A :class:`Policy` is a frozen, hashable set of selector tuples. Model code decla
 with :func:`register_must_save` where it defines them. Precedence on one node, strongest first:
 explicit ``recompute`` > explicit ``offload`` > explicit ``save`` > registered > defaults (discrete decisions,
 functional collectives). Two explicit actions on one node are a :class:`~sacpass.PolicyConflictError`.
+:meth:`Policy.action` is that rule, for a joint-graph node (the tag pass) and for an op call at run time
+(the eager checkpoint context) alike.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from .errors import PolicyConflictError, warn
 from .selectors import (CollectiveSelector, DiscreteSelector, PredicateSelector, Selector, SelectorLike,
                         as_selector, as_selectors)
 
-__all__ = ["Policy", "register_must_save", "registered_must_save", "clear_registry", "note_registry_used"]
+__all__ = ["Policy", "register_must_save", "registered_must_save", "clear_registry", "note_registry_used",
+           "EXPLICIT_ACTIONS"]
+
+EXPLICIT_ACTIONS = ("recompute", "offload", "save")  # strongest first
 
 _REGISTRY: list[Selector] = []
 _GRAPHS_UNDER_REGISTRY = [0]  # graphs compiled with the registry read as it is now
@@ -89,6 +95,23 @@ class Policy:
     def explicit(self) -> tuple[Selector, ...]:
         """Selectors the user named: each must match where it can (strict)."""
         return self.save + self.recompute + self.offload
+
+    def action(self, selects: Callable[[Selector], bool], what: Callable[[], str]) -> tuple[str, Selector] | None:
+        """(``"recompute"`` | ``"offload"`` | ``"save"``, the selector) this policy gives one node or op call,
+        by precedence (see the module docstring); None when no selector picks it. ``selects(s)`` says whether
+        selector ``s`` picks it; ``what()`` names it in the error raised when two explicit actions do."""
+        named = [(kind, s) for kind in EXPLICIT_ACTIONS
+                 for s in [next((s for s in getattr(self, kind) if selects(s)), None)] if s is not None]
+        if len(named) > 1:
+            order = ("save", "offload", "recompute")
+            (ka, sa), (kb, sb) = sorted(named, key=lambda ks: order.index(ks[0]))[:2]
+            raise PolicyConflictError(
+                f"sacpass: {what()} is selected both to {ka} ({sa}) and to {kb} ({sb}). Remove it from one of "
+                f"{ka}= / {kb}=, or narrow a selector with a module pattern ('<module>::ns::op').")
+        if named:
+            return named[0]
+        kept = next((s for s in self.registered + self.defaults if selects(s)), None)
+        return ("save", kept) if kept is not None else None
 
     @property
     def empty(self) -> bool:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import inspect
 import os
 import re
 
 import torch
 
+from .frames import first_outside
 from .graphs import graph_text, report_text
 from .report import Report
 
@@ -36,7 +36,7 @@ _HOWTO = "# regenerate: EXPECTTEST_ACCEPT=1 pytest <this test>"
 def golden_text(obj) -> str:
     """The normalised text of a Backend (every graph it compiled), a PartitionResult or a Report."""
     __tracebackhide__ = True
-    from .backend import Backend
+    from .compiler import Backend
     from .partitioner import PartitionResult
 
     if isinstance(obj, PartitionResult):
@@ -77,16 +77,13 @@ def no_compile_caches():
         yield
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _caller_dir() -> str:
     """Folder of the first caller outside sacpass (the user's test file)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frame = inspect.currentframe()
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(here + os.sep):
-            return os.path.dirname(path)
-        frame = frame.f_back
-    return os.getcwd()  # pragma: no cover
+    found = first_outside(lambda path: path.startswith(_PACKAGE))
+    return os.path.dirname(os.path.abspath(found[1].f_code.co_filename)) if found else os.getcwd()
 
 
 def expected_path(name: str, directory: str | os.PathLike | None = None) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sacpass
-from sacpass.backend import sacpass_backend
+from sacpass.compiler import sacpass_backend
 from fuzz_ops import FuzzModel, Program
 from toy import unwrap
 

@@ -1,9 +1,11 @@
-"""Policy and pass version enter the compile caches; a warm cache hit still yields the report."""
+"""Policy and pass version enter the compile caches; a warm cache hit still yields the report, and a cache hit
+is PyTorch's own signal."""
+import pytest
 import torch
 
 import sacpass
 from sacpass.testing import OpCounter
-from toy import TOY_TOPK_OPS, ToyLayer
+from toy import TOY_TOPK_OPS, ToyLayer, compile_and_train
 
 TOPK = "sacpass_toy::topk_ids"
 
@@ -21,6 +23,7 @@ def must_saved(report):
     return [s.op for s in report.saved if s.reason == "must-save"]
 
 
+@pytest.mark.slow
 def test_policy_change_with_warm_caches(fresh_cache):
     from torch._dynamo.utils import counters
     model, x = ToyLayer(), torch.randn(16, 32)
@@ -40,3 +43,16 @@ def test_policy_change_with_warm_caches(fresh_cache):
     (rep,) = be3.reports
     assert rep.from_cache and must_saved(rep) == [TOPK + ".default"]
     assert rep.total_bytes == be1.reports[0].total_bytes
+
+
+@pytest.mark.slow
+def test_inference_compile_after_training_gains_no_report(fresh_cache):
+    """A cache hit is PyTorch's signal (the AOTAutograd cache-hit counter), never "no report appeared"."""
+    model, x = ToyLayer(), torch.randn(16, 32)
+    be = sacpass.backend(save=[TOPK], save_discrete=False)
+    compile_and_train(be, model, x)
+    assert len(be.reports) == 1
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=be, fullgraph=True)(x)
+    assert len(be.reports) == 1 and not any(r.from_cache for r in be.reports)

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sacpass
 from sacpass import policies
-from sacpass.backend import Backend
+from sacpass.report_store import artifact_key, report_dir
 from sacpass.selectors import PREDICATE_KEY_DEPTH, predicate_key
 
 MM = torch.ops.aten.mm.default
@@ -192,7 +192,7 @@ def test_every_config_input_changes_the_key(monkeypatch, registry):
         m.setattr(sacpass.plan.Plan, "host_budget", lambda self: 12345)  # host_bytes=None: this host's RAM
         keys["resolved host budget"] = _uuid(**base)
     with monkeypatch.context() as m:
-        m.setattr(sys.modules["sacpass.backend"], "PASS_VERSION", -1)
+        m.setattr(sys.modules["sacpass._version"], "PASS_VERSION", -1)
         keys["sacpass sources"] = _uuid(**base)
     assert len(set(keys.values())) == len(keys), keys
 
@@ -208,7 +208,7 @@ def test_every_graph_input_changes_the_report_key(monkeypatch):
     be, x = sacpass.backend(use_registered=False), inputs[0]
 
     def key(gm=gm, x=x, be=be, uuid="u"):
-        return be._artifact_key(gm, [x], uuid)
+        return artifact_key(gm, [x], uuid, be.inner)
 
     keys = {"base": key(), "uuid": key(uuid="v"), "inner": key(be=sacpass.backend(inner="aot_eager")),
             "graph": key(gm=torch.fx.symbolic_trace(lambda x: x.cos())),
@@ -280,7 +280,7 @@ def test_no_report_and_no_warning_without_a_partition(fresh_cache, warm):
 def test_a_warm_hit_without_a_persisted_report_says_so(fresh_cache):
     import shutil
     run(sacpass.backend(use_registered=False, save_discrete=False))
-    shutil.rmtree(Backend._report_dir())
+    shutil.rmtree(report_dir())
     be = sacpass.backend(use_registered=False, save_discrete=False)
     warned = run(be)
     assert be.reports == [] and any("no sacpass report was persisted" in w for w in warned), warned

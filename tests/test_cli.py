@@ -1,5 +1,6 @@
 """``python -m sacpass report|diff|show|demo``. The main paths run as subprocesses (two at a time: each one
 imports torch); the error cases run through the same ``main()`` in-process, plus one as a subprocess."""
+import io
 import json
 import os
 import shutil
@@ -134,3 +135,12 @@ def test_demo_passes_its_arguments_through(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr("glm52_model.demo.main", lambda argv: calls.append(argv) or 0)
     assert main(["demo", "--steps", "1", "--help-me"]) == 0 and calls == [["--steps", "1", "--help-me"]]
+
+
+def test_cli_diff_prints_each_graphs_bytes_once(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    toy_dump(a, policy=False)
+    toy_dump(b, policy=True)
+    buf = io.StringIO()
+    assert main(["diff", str(a), str(b)], out=buf) == 1
+    assert buf.getvalue().count("g0: saved bytes") == 1, buf.getvalue()

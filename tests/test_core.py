@@ -1,13 +1,15 @@
 """sacpass core, end to end on the toy DSA layer: the top-k is not re-run in backward, grads match eager."""
 import copy
+import functools
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import sacpass
 import sacpass.testing
-from toy import TOY_TOPK_OPS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, grads_of
+from toy import TOY_TOPK_OPS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, compile_and_train, grads_of
 
 TOPK = "sacpass_toy::topk_ids"
 
@@ -22,7 +24,7 @@ def run_step(model, x):
     return out.detach(), grads_of(model, x), topk.forward, topk.backward
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_toy_layer_topk_not_rerun_in_backward(inner):
     ref = ToyLayer()
     x = torch.randn(24, 32)
@@ -157,6 +159,7 @@ def test_no_checkpoint_at_all():
     assert report.recomputed.get("aten::_to_copy.default") == 1
 
 
+@pytest.mark.slow
 def test_dynamic_sequence_length_no_recompile():
     ref = ToyLayer()
     be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
@@ -325,3 +328,60 @@ def test_route_checkpoints_pass_marks_only_plain_bodies_with_functions():
     assert seen["user_context"][0] == [] and seen["user_context"][1].wrap_body_0.meta["_checkpoint_context_fn"] \
         is not always_recompute_context_fn
     assert seen["plain"][0] == [] and "_checkpoint_context_fn" not in seen["plain"][1].wrap_body_0.meta
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).cos()
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.w = Inner(), nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        return self.w(x).sin() * scale + self.inner(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.layers, self.how = nn.ModuleList([Layer(), Layer()]), how
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.how == "transformers":  # what GradientCheckpointingLayer does
+                x = checkpoint(functools.partial(layer.__call__, scale=2.0), x, use_reentrant=False)
+            else:
+                x = checkpoint(layer, x, 2.0, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("how", ["transformers", "module"])
+@pytest.mark.parametrize("selector, tagged", [("Layer::aten::sin", 2), ("layers.*::aten::sin", 2),
+                                              ("layers.1::aten::sin", 1), ("Layer::aten::cos", 2),
+                                              ("layers.0.inner::aten::cos", 1)])
+def test_module_scoping_does_not_depend_on_how_checkpoint_was_called(how, selector, tagged):
+    torch.manual_seed(0)
+    be = sacpass.backend(save=[selector], inner="aot_eager", save_discrete=False)
+    compile_and_train(be, Stack(how), torch.randn(4, 8))
+    (rep,) = be.reports
+    hits = [t for t in be.reports[0].tagged if t["selector"] == selector]
+    assert len(hits) == tagged, rep.format(verbose=True)
+    op = selector.rsplit("::", 1)[1]
+    assert all(t["op"] == f"aten::{op}.default" and t["module"].startswith("layers.") for t in hits)
+
+
+def test_op_counter_sees_ops_inside_functionalized_wrappers():
+    from toy import WrappedTopkLayer
+
+    be = sacpass.backend(save=["sacpass_toy::topk_ids_counting"], inner="aot_eager", save_discrete=False)
+    model = torch.compile(WrappedTopkLayer("mutating"), backend=be, fullgraph=True)
+    with sacpass.testing.OpCounter("sacpass_toy::topk_ids_counting") as calls:
+        model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    assert calls.forward == 1 and calls.backward == 0

@@ -1,4 +1,4 @@
-"""Discrete decisions are never re-made in the backward: sacpass's default saves them (issue 12)."""
+"""Discrete decisions are never re-made in the backward: sacpass's default saves them."""
 from __future__ import annotations
 
 import copy
@@ -229,6 +229,7 @@ def test_interleaved_microbatches_use_their_own_forwards_ids():
         torch.testing.assert_close(grads["interleaved"][n], grads["sequential"][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_transformers_glm5_dsa_layer_keeps_its_topk_with_no_selectors():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "GlmMoeDsaForCausalLM"):

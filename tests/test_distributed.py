@@ -57,7 +57,8 @@ TEST_RUNS = {  # test function -> the launches it reads
 
 
 class Launch:
-    """One ``torchrun --standalone --nproc-per-node 2 -m glm52_model.train`` in its own session."""
+    """One ``torchrun --standalone --nproc-per-node 2 -m glm52_model.train`` in a process group of its own (killed
+    whole when it overruns)."""
 
     def __init__(self, name: str, args: list[str], out_dir: Path):
         self.name, self.json_dir, self.log = name, out_dir / name, out_dir / f"{name}.log"
@@ -146,6 +147,7 @@ def _check_compiled_run(ranks: list[dict]) -> None:
     assert len({tuple(s["loss"] for s in res["steps"]) for res in ranks}) == 1
 
 
+@pytest.mark.slow
 def test_sp2_ep2_matches_single_rank(launches):
     """SP2 (keys and KV latent all-gathered in the layer) and EP2 (padded all-to-all) on the same 2 ranks."""
     ranks = launches["sp2_ep2"].results()
@@ -159,21 +161,25 @@ def test_sp2_ep2_matches_single_rank(launches):
             assert saved.get(op) == "must-save", (op, saved)
 
 
+@pytest.mark.slow
 def test_fsdp2_matches_single_rank(launches):
     _check_compiled_run(launches["fsdp2"].results())
 
 
+@pytest.mark.slow
 def test_ep2_dynamic_splits_match_single_rank(launches):
     """Exact split sizes read with .tolist() (unbacked SymInts): still one graph per layer kind."""
     _check_compiled_run(launches["ep2_dynamic"].results())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FOUR_RANKS, reason="set GLM52_TEST_4_RANKS=1 (4 processes; ~2 min on 2 cores)")
 def test_sp2_ep2_dp2_on_4_ranks_matches_single_rank(launches):
     """world 4 = dp 2 x sp 2, EP groups {0,1} {2,3}, expert replicas {0,2} {1,3}."""
     _check_compiled_run(launches["sp2_ep2_4ranks"].results())
 
 
+@pytest.mark.slow
 def test_failed_rank_fails_fast_with_its_error(launches):
     launch = launches["fault_raise"]
     rc = launch.wait(FAULT_DEADLINE_S)
@@ -184,6 +190,7 @@ def test_failed_rank_fails_fast_with_its_error(launches):
     print(f"\nfailed rank: torchrun exited rc={rc} after {launch.seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_hung_rank_times_out_with_an_error(launches):
     """Rank 1 sleeps; rank 0's first collective times out (--timeout 15), torchrun stops rank 1."""
     launch = launches["fault_hang"]

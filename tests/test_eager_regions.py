@@ -7,6 +7,7 @@ import sys
 import textwrap
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -141,6 +142,7 @@ def test_module_scope_and_regions_in_exec_code():
     _check(namespace["SCOPED"], namespace["EAGER"])
 
 
+@pytest.mark.slow
 def test_module_scope_and_regions_in_python_c():
     script = SCRIPT + "\nprint(repr((SCOPED, EAGER)))\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))

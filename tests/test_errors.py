@@ -3,11 +3,12 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
 import sacpass
 from sacpass._version import check_torch_version
 from sacpass.testing import OpCounter
-from toy import TOY_TOPK_OPS, ToyLayer, unwrap
+from toy import TOY_TOPK_OPS, ToyLayer, compile_and_train, unwrap
 
 TOPK = "sacpass_toy::topk_ids"
 
@@ -239,3 +240,73 @@ def test_report_json_rejects_foreign_and_newer():
         sacpass.Report.from_json('{"kind": "sacpass.report", "version": 99}')
     with pytest.raises(sacpass.DumpError, match="not valid JSON"):
         sacpass.Report.from_json("{")
+
+
+@pytest.mark.parametrize("spelled", ["layers.*.self_attn::topk", "Indexer.x::topk", "a b::topk"])
+def test_selector_without_namespace_never_reaches_torch_ops(spelled):
+    before = set(vars(torch.ops))
+    with pytest.raises(sacpass.UnknownOpError) as info:
+        sacpass.backend(save=[spelled])
+    assert set(vars(torch.ops)) == before
+    ns = spelled.split("::")[0]
+    assert f"'{ns}::aten::topk'" in str(info.value)  # the spelling to use instead
+
+
+def test_unknown_op_error_quotes_the_module_scope():
+    with pytest.raises(sacpass.UnknownOpError, match=r"selector 'Indexer::aten::topkk' names op aten::topkk"):
+        sacpass.backend(save=["Indexer::aten::topkk"])
+
+
+class LoggingModel(nn.Module):
+    """Graph-breaks outside its layers (a logging call before them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(32, 32)
+        self.layers = nn.ModuleList([ToyLayer(), ToyLayer()])
+
+    def forward(self, x):
+        x = self.embed(x)
+        print("step")  # noqa: T201 - the graph break
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_strict_selector_survives_a_graph_break_outside_the_layers(capsys):
+    torch.manual_seed(0)
+    be = sacpass.backend(save=[TOPK, "layers.*.indexer::aten::mm"], inner="aot_eager")
+    model = torch.compile(LoggingModel(), backend=be)
+    with OpCounter(TOPK) as calls:
+        model(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    assert calls.backward == 0
+    assert len(be.reports) >= 2  # the graph before the break holds no region: not an error there
+    assert not be.unmatched()
+
+
+@pytest.mark.parametrize("selector", ["aten::cumsum", "indexer::aten::mm", "mlp::aten::topk"])
+def test_a_selector_matching_in_no_graph_of_the_compile_is_an_error(selector):
+    """Checked when the first backward starts (every graph of the step has been compiled by then)."""
+    torch.manual_seed(0)
+    be = sacpass.backend(save=[TOPK, selector], inner="aot_eager")
+    model = torch.compile(LoggingModel(), backend=be)
+    out = model(torch.randn(16, 32, requires_grad=True))  # the forward compiles and runs
+    with pytest.raises(sacpass.UnmatchedSelectorError, match=rf"{selector}.*matched no forward node in any graph"):
+        out.sum().backward()
+    assert be.unmatched() == [selector]
+
+
+def test_non_strict_warning_does_not_advise_strict_false():
+    be = sacpass.backend(save=["aten::cumsum"], inner="aot_eager", strict=False)
+    with pytest.warns(sacpass.SacpassWarning) as caught:
+        compile_and_train(be, ToyLayer(), torch.randn(16, 32))
+    msgs = [str(w.message) for w in caught if "matched no forward node" in str(w.message)]
+    assert msgs and not any("strict=False" in m for m in msgs)
+
+
+def test_lambda_warning_points_at_the_users_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sacpass.backend(save=[lambda n: False])
+    (w,) = [w for w in caught if "no stable cache key" in str(w.message)]
+    assert w.filename == __file__

@@ -47,7 +47,7 @@ def toy():
 
 
 # -------------------------------------------------------------------------------------------- offload
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_offload_matches_eager_and_is_never_recomputed(toy, inner):
     model, x = toy
     out_e, grads_e = _reference(model, x)
@@ -128,6 +128,7 @@ def _saved_set(rep):
     return sorted((s.op, s.dtype, s.shape) for s in rep.saved)
 
 
+@pytest.mark.slow
 def test_memory_budget_numerics_and_bytes():
     """PyTorch's budget solver over the released regions: 0 keeps the regions (recompute all but the
     must-saves), 1 partitions as without checkpointing, and the saved bytes grow with the budget."""
@@ -244,7 +245,8 @@ def test_policy_enters_the_cache_key():
 
 # ------------------------------------------------------------------------------------------ goldens
 @pytest.mark.golden
-@pytest.mark.parametrize("case", ["offload", "budget", "plan"])
+@pytest.mark.parametrize("case", ["offload", pytest.param("budget", marks=pytest.mark.slow),
+                                  pytest.param("plan", marks=pytest.mark.slow)])
 def test_frontier_goldens(case):
     torch.manual_seed(0)
     model, x = ToyLayer(), torch.randn(24, 32)

@@ -265,6 +265,7 @@ def check_case(case: Case, inner: str = "aot_eager") -> None:
 P = Program
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @fuzz_settings("aot_eager")
 @given(case=cases())
@@ -278,8 +279,8 @@ P = Program
 @example(case=Case(P(("mm", "sin"), ((0, 2),)), save=("aten::mm",), recompute=("aten::mm",)))
 @example(case=Case(P(("dropout", "mm"), ((0, 2),)), save=("aten::cumsum",), strict=False))
 @example(case=Case(P(("dropout", "tanh"), ((0, 2),)), recompute=("aten::native_dropout",)))
-# found by the fuzzer: a must-recompute node one region hands to the next is saved (now a warning), and a
-# selector matching a cast inside a custom op's backward formula tagged that backward node (now skipped)
+# cases the fuzzer found: a must-recompute node one region hands to the next is saved (with a warning), and a
+# selector matching a cast inside a custom op's backward formula leaves that backward node untagged
 @example(case=Case(P(("cast", "dropout"), ((0, 1), (1, 2))), recompute=("aten::_to_copy",)))
 @example(case=Case(P(("rmsnorm", "cast", "pair"), ((0, 3), (2, 3))), save=("aten::mean", "aten::_to_copy"),
                    recompute=("sacpass_toy::topk_pair",), seed=56306))
@@ -299,6 +300,7 @@ def offload_cases(draw):
     return dataclasses.replace(case, offload=offload, plan=plan)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @fuzz_settings("offload")
 @given(case=offload_cases())

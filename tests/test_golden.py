@@ -12,11 +12,14 @@ import pytest
 import torch
 
 import golden_cases
+import sacpass
 from golden_cases import CASES, GLM_CASES, build, glm_available
 from sacpass.testing import ACCEPT_ENV, assert_graphs_match, expected_path
+from toy import ToyLayer, compile_and_train
 
 pytestmark = pytest.mark.golden
 EXPECTED = os.path.join(os.path.dirname(__file__), "expected_graphs")
+TOPK = "sacpass_toy::topk_ids"
 
 
 def _needs_glm(name):
@@ -24,7 +27,11 @@ def _needs_glm(name):
         pytest.skip("glm52_model is not importable")
 
 
-@pytest.mark.parametrize("name", [*CASES, *GLM_CASES])
+QUICK_GLM_CASE = "glm_moe_sacpass"  # the quick run (-m "not slow") checks the toy cases and this GLM layer
+
+
+@pytest.mark.parametrize("name", [*CASES, *(n if n == QUICK_GLM_CASE else pytest.param(n, marks=pytest.mark.slow)
+                                            for n in GLM_CASES)])
 def test_golden_graphs(name):
     _needs_glm(name)
     assert_graphs_match(name, build(name))
@@ -47,6 +54,7 @@ def test_changed_policy_fails_the_golden(monkeypatch):
     assert any("torch.ops.sacpass_toy.topk_ids.default" in ln for ln in added)
 
 
+@pytest.mark.slow
 def test_corrupting_one_expected_file_fails_exactly_that_case(tmp_path, monkeypatch):
     monkeypatch.delenv(ACCEPT_ENV, raising=False)
     names = [n for n in [*CASES, *GLM_CASES]
@@ -104,3 +112,27 @@ def test_default_directory_is_beside_the_calling_test(monkeypatch, tmp_path):
     assert expected_path("x") == os.path.join(EXPECTED, "x.txt")
     with pytest.raises(ValueError, match="file name"):
         expected_path("../escape")
+
+
+@pytest.mark.slow
+def test_golden_helper_refuses_graphs_from_the_cache(fresh_cache, tmp_path):
+    from sacpass.testing import GoldenFromCacheError, no_compile_caches
+
+    model, x = ToyLayer(), torch.randn(16, 32)
+    compile_and_train(sacpass.backend(save=[TOPK]), model, x)
+    torch._dynamo.reset()
+    warm = sacpass.backend(save=[TOPK])
+    compile_and_train(warm, model, x)
+    assert warm.reports[0].from_cache
+    os.environ["EXPECTTEST_ACCEPT"] = "1"
+    try:
+        with pytest.raises(GoldenFromCacheError, match="no_compile_caches"):
+            assert_graphs_match("warm", warm, directory=tmp_path)
+    finally:
+        del os.environ["EXPECTTEST_ACCEPT"]
+    assert not (tmp_path / "warm.txt").exists()  # nothing useless written
+    torch._dynamo.reset()
+    fresh = sacpass.backend(save=[TOPK])
+    with no_compile_caches():
+        compile_and_train(fresh, model, x)
+    assert not fresh.reports[0].from_cache and fresh.results

@@ -280,3 +280,11 @@ def test_a_plan_past_the_host_limit_warns_when_it_is_made():
                                                                             r"Lower Plan\(host_bytes"):
         model, _ = _stack(plan=sacpass.Plan(host_bytes=1 << 20, layers=4, min_offload_bytes=0))
         _step(model, _x())
+
+
+def test_an_offload_the_host_has_no_memory_for_raises_before_allocating(monkeypatch):
+    monkeypatch.setattr(rt, "available_memory", lambda: 0)
+    with pytest.raises(sacpass.OffloadError, match=r"the host has only 0 bytes available.*free host memory"):
+        _offload_all([(1000,)])
+    assert rt.stats().host_bytes_held == 0
+    _assert_empty()

@@ -1,4 +1,4 @@
-"""The README's backend example runs as written."""
+"""The README: its backend example runs as written and its options table lists every backend option."""
 import os
 import re
 
@@ -15,5 +15,14 @@ def test_readme_example_runs():
     scope = {"__name__": "readme"}
     exec(compile(block, "README.md", "exec"), scope)
     report = scope["be"].reports[0]
-    # the int32 narrowing of the int64 top-k indices is what is saved
-    assert [(s.dtype, s.reason) for s in report.saved if s.reason == "must-save"] == [("int32", "must-save")]
+    # an explicitly saved top-k is kept as a discrete decision: its indices narrowed to int32, its values rebuilt
+    kept = [(s.op, s.dtype, s.reason) for s in report.saved if s.reason != "graph input"]
+    assert kept == [("aten::topk.default", "int32", "discrete")]
+    assert "aten::topk.default" not in report.recomputed
+
+
+def test_readme_documents_every_backend_option():
+    readme = open(README).read()
+    from sacpass.options import VALID_OPTIONS
+    for option in VALID_OPTIONS:
+        assert f"| `{option}` |" in readme, option

@@ -19,7 +19,7 @@ from toy import TOY_TOPK_OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPK = "sacpass_toy::topk_ids"
-backend_mod = importlib.import_module("sacpass.backend")  # the module (sacpass.backend is the function)
+backend_mod = importlib.import_module("sacpass._version")  # the module whose PASS_VERSION keys the sources
 PROGRAM = Program(("nograd_ids", "sin"), ((0, 2),))  # a custom top-k under no_grad, then a pointwise op
 
 
@@ -82,6 +82,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_second_process_hits_the_shared_cache(fresh_cache):
     """This process compiles cold; a second process with the same TORCHINDUCTOR_CACHE_DIR hits both caches
     (no partition runs there) and still gets the report, marked from_cache."""
@@ -123,6 +124,7 @@ def test_dynamic_lengths(how):
 
 
 # ------------------------------------------------------------------------------------------ unhashable policy
+@pytest.mark.slow
 def test_lambda_policy_bypasses_both_caches(fresh_cache):
     """A lambda selector has no stable key: a warning, and both caches really bypass (twice, no hit)."""
     for attempt in range(2):

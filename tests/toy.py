@@ -139,6 +139,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def compile_and_train(be, model: nn.Module, x: torch.Tensor) -> None:
+    """One ``torch.compile(model, backend=be, fullgraph=True)`` forward and backward on a fresh copy of ``x``."""
+    out = torch.compile(model, backend=be, fullgraph=True)(x.detach().clone().requires_grad_(True))
+    out.sum().backward()
+
+
 def grads_of(module: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in module.parameters() if p.grad is not None] + \
         [x.grad.detach().clone() for x in inputs if x.grad is not None]

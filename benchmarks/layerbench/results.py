@@ -1,6 +1,6 @@
 """The result of a run as JSON (new, or merged into an earlier run's), the markdown table, the targets.
 
-The JSON layout is that of ``benchmarks/results/bench_layer_h200.json``: ``env``, settings, ``config``,
+The JSON layout is that of ``benchmarks/results/layer_h200.json``: ``env``, settings, ``config``,
 ``seq[S]`` (``topk`` and ``variants[name]`` rows), ``compile[name]``, ``mtp[S][name]``, ``notes``,
 ``targets``, ``plot``; a merged run appends to ``runs`` and ``notes`` and writes its compile rows to
 ``compile_merged_runs``.
@@ -92,7 +92,9 @@ def ratio_rows(result: dict) -> list[dict]:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's targets, evaluated on this run (met: True / False / None when not measured)."""
+    """The layer benchmark's targets (sacpass's step time against the control's limit, the island and SAC; peak
+    memory; backward top-k runs; compile time), evaluated on this run (met: True / False / None when not
+    measured)."""
     out = []
 
     def add(name, met, detail):
@@ -199,7 +201,7 @@ def markdown(result: dict) -> str:
                              f"{_fmt(m.get('peak_allocated_gib'), '.2f')} | {m.get('topk_bwd_runs_per_step', '-')} |")
     tg = targets(result)
     if tg:
-        lines += ["", "Targets (issue 4):", "", "| target | met | value |", "|---|---|---|"]
+        lines += ["", "Targets:", "", "| target | met | value |", "|---|---|---|"]
         lines += [f"| {t['target']} | {'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in tg]
     if result.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in result["notes"]]

@@ -224,32 +224,12 @@ def _sacpass_no_discrete(layer, backend):
     return _sacpass_variant(layer, backend, "sacpass-no-discrete", save_discrete=False)
 
 
-# ------------------------------------------------------------------ issue 13: the FP8 kernels, side by side
+# ---------------------------------------------------------- kernel and precision choices, side by side
 def _with_kernel_settings(built: Built, settings) -> Built:
     """``built`` with CUDA kernel module constants ((module, name, value), read by the kernels per call)
     patched around each step, forward and backward (:meth:`Variant.kernel_settings`), so other kernel
     choices run beside the defaults in one process."""
     return dataclasses.replace(built, settings=built.settings + tuple(settings))
-
-
-_TOPK = "glm52_model.ops.cuda.dsa_topk_tl"
-FOUR_ROUND_SELECT = ((_TOPK, "SELECT_TUNABLES", {"candidates": 0, "threads": 1024}),)
-# What the CUDA kernels were before issue 13's second and third H200 sessions (2026-12-01)
-PREVIOUS_KERNELS = (
-    ("glm52_model.ops.cuda.sparse_mla_tl", "FWD_KERNEL", "serial"),
-    ("glm52_model.ops.cuda.sparse_mla_tl", "BWD_KERNEL", "serial"),
-    (_TOPK, "LOGITS_TUNABLES", {"block_N": 128, "num_stages": 2, "threads": 256, "warp_specialized": True}),
-    (_TOPK, "LOGITS_BUDGET_BYTES", 1 << 30),
-    (_TOPK, "SELECT_TUNABLES", {"candidates": 3072, "threads": 1024}),
-    ("glm52_model.ops.cuda.fp8_quant_tl", "DENSE", False),
-)
-
-
-@variant("sacpass_four_round", color="tab:green", ls="--")
-def _sacpass_four_round(layer, backend):
-    """sacpass with the top-k select the CUDA kernels had before the two-read select (four radix rounds
-    on the row, 1024 threads)"""
-    return _with_kernel_settings(_sacpass_variant(layer, backend, "sacpass-four-round"), FOUR_ROUND_SELECT)
 
 
 def _precision(layer: DecoderLayer, experts: bool | None = None, indexer: bool | None = None) -> DecoderLayer:
@@ -273,15 +253,6 @@ def add_experts_option(parser) -> None:
 def experts_overrides(args) -> dict:
     """The ``GLM52Config`` overrides ``--experts`` asks for ({} keeps the preset's choice)."""
     return {} if args.experts is None else {"fp8_experts": args.experts == "fp8"}
-
-
-@variant("sacpass_previous_kernels", color="tab:green", ls=":")
-def _sacpass_previous_kernels(layer, backend):
-    """sacpass on the kernels as they were before issue 13 (serial sparse MLA forward and backward, 128-key
-    logits tiles with a producer warpgroup, 1024-thread select, PyTorch quantisers for the dense FP8 linears,
-    bf16 routed experts)"""
-    return _with_kernel_settings(_sacpass_variant(_precision(layer, experts=False), backend,
-                                                  "sacpass-previous-kernels"), PREVIOUS_KERNELS)
 
 
 @variant("sacpass_bf16_experts", color="tab:orange", ls=":")

@@ -181,7 +181,8 @@ def _fp8_blockwise_mm_cuda(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tenso
 def blockwise_scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dtype: torch.dtype,
                         out: Tensor | None = None) -> Tensor:
     """sm90 blockwise ``torch._scaled_mm`` on checked CUDA operands: mat2 = b.T (column-major), column-major
-    scales (FACTS.md); ``out`` [M, N] (e.g. rows of a larger contiguous tensor) is written in place."""
+    scales (the layouts in the module docstring); ``out`` [M, N] (e.g. rows of a larger contiguous tensor) is
+    written in place."""
     N = b.shape[0]
     b_blocks = b_scale.shape[0] != N                         # 128x128 blocks, else 1x128 tiles
     kb = a.shape[1] // BLOCK

@@ -58,15 +58,17 @@ def _new_node(graph: torch.fx.Graph, like: torch.fx.Node, target, args, tag) -> 
     return node
 
 
-def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, previous) -> list[str]:
-    """Rewire the uses of ``node``'s values to a gather from its input at its indices."""
+def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, previous,
+                    order: dict[torch.fx.Node, int]) -> list[str]:
+    """Rewire the uses of ``node``'s values to a gather from its input at its indices. ``order``: the
+    position of each node the graph held when the pass began (what this pass inserts keeps their order)."""
     values, indices = _getitem(node, 0), _getitem(node, 1)
     if values is None or indices is None or not values.users:
         return []
     args = bound_args(op, node.args, node.kwargs)
     dim, src = args.get("dim", -1), node.args[0]
     aten = torch.ops.aten
-    with graph.inserting_after(max(values, indices, key=lambda n: list(graph.nodes).index(n))):
+    with graph.inserting_after(max(values, indices, key=order.__getitem__)):
         if kind == "same" or args.get("keepdim", False):
             rebuilt = _new_node(graph, values, aten.gather.default, (src, dim, indices), previous)
         else:
@@ -100,6 +102,7 @@ def keep_decisions_pass(gm: torch.fx.GraphModule, tags: TagResult) -> list[str]:
     (see the module docstring). Mutates ``tags`` (adds the new nodes, drops removed getitems)."""
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}
+    order = {n: i for i, n in enumerate(graph.nodes)}
     removed: list[str] = []
     for rec in [r for r in tags.records if r.reason == DISCRETE]:
         node = by_name.get(rec.name)
@@ -109,7 +112,7 @@ def keep_decisions_pass(gm: torch.fx.GraphModule, tags: TagResult) -> list[str]:
         kind = VALUE_INDEX_OPS.get(op._schema.name)
         previous = getattr(CheckpointPolicy, rec.previous) if rec.previous else None
         if kind is not None:
-            removed += _rebuild_values(graph, node, op, kind, previous)
+            removed += _rebuild_values(graph, node, op, kind, previous, order)
         idx = _getitem(node, 1) if kind is not None else (node if isinstance(node.meta.get("val"), torch.Tensor) else None)
         if idx is not None and idx.meta["val"].dtype == torch.int64 and idx.users \
                 and selection_extent(op, *_vals(node), size=size_hint) <= INT32_LIMIT:

@@ -25,16 +25,12 @@ import re
 import torch
 import torch.fx
 
-from ..nodes import clean_module_path, stack_frames
+from ..frames import innermost_frame
+from ..nodes import clean_module_path
 
 __all__ = ["repair_module_paths_pass", "compiled_frame_scopes"]
 
 _ROOT = re.compile(r"^(?P<scope>[LG])\[['\"](?P<name>[^'\"]+)['\"]\]")
-
-
-def _innermost_frame(node: torch.fx.Node) -> tuple[str, int, str] | None:
-    frames = stack_frames(node.meta.get("stack_trace") or "")
-    return frames[-1] if frames else None
 
 
 def _module_classes() -> list[type]:
@@ -96,9 +92,9 @@ def _own_forward(cls: type) -> bool:
 
 def _owner_class(bare: list[torch.fx.Node], path: str) -> type | None:
     """The class whose forward the module-less ops ran in (see the module docstring)."""
-    frame = next((f for f in map(_innermost_frame, bare) if f is not None), None)
+    frame = next((f for f in (innermost_frame(n.meta.get("stack_trace")) for n in bare) if f is not None), None)
     if frame is not None:
-        return _class_defining(*frame)
+        return _class_defining(frame.file, frame.line, frame.func)
     module = _module_at(path) if path else None
     return type(module) if module is not None and _own_forward(type(module)) else None
 

@@ -37,6 +37,14 @@ def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
     return marks
 
 
+def _insert(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, name: str) -> torch.fx.Node:
+    """``op(*args)`` as a node before ``before``, its ``val`` from the op's fake on the arguments' values."""
+    with graph.inserting_before(before):
+        node = graph.call_function(op, args, name=name)
+    node.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+    return node
+
+
 def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, marks: dict[str, str],
                  num_fwd_outputs: int) -> dict[str, str]:
     """Rewrite ``forward`` and ``backward`` (see the module docstring)."""
@@ -54,10 +62,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
                     and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
                    key=lambda pn: fw_order[pn[1]])
     for pos, node in saved:
-        with forward.graph.inserting_before(out_node):
-            host = forward.graph.call_function(torch.ops.sacpass.offload.default, (node, index),
-                                               name=f"{node.name}_offload")
-        host.meta["val"] = torch.ops.sacpass.offload.default(node.meta["val"], index)
+        host = _insert(forward.graph, out_node, torch.ops.sacpass.offload.default, (node, index), f"{node.name}_offload")
         node.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
         outputs[pos] = host
         index += 1
@@ -67,10 +72,8 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         first = min(placeholder.users, key=bw_order.__getitem__, default=None)
         if first is None:
             continue
-        with backward.graph.inserting_before(first):
-            back = backward.graph.call_function(torch.ops.sacpass.reload.default, (placeholder, device),
-                                                name=f"{node.name}_reload")
-        back.meta["val"] = torch.ops.sacpass.reload.default(host.meta["val"], device)
+        back = _insert(backward.graph, first, torch.ops.sacpass.reload.default, (placeholder, device),
+                       f"{node.name}_reload")
         for user in list(placeholder.users):
             if user is not back:
                 user.replace_input_with(placeholder, back)

@@ -31,7 +31,8 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import warn
-from ..nodes import backward_part, is_getitem, is_view, module_path, node_op, op_name, size_hint, unpackers
+from ..nodes import (backward_part, is_getitem, is_view, module_path, node_op, op_name, size_hint, tensor_nbytes,
+                     unpackers)
 from ..offload import host_limit, pool_bytes
 from ..plan import CostModel, Plan
 from ..report import PLAN, Decision
@@ -56,11 +57,9 @@ def _arg_val(a):
 
 
 def _tensor_bytes(val) -> int:
+    """Bytes of a value: a tensor, or every tensor of a tuple of them."""
     if isinstance(val, torch.Tensor):
-        n = 1
-        for s in val.shape:
-            n *= size_hint(s)
-        return n * val.element_size()
+        return tensor_nbytes(val)
     if isinstance(val, (list, tuple)):
         return sum(_tensor_bytes(v) for v in val)
     return 0

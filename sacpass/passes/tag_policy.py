@@ -14,7 +14,7 @@ Ensures, for every forward node (never the backward part of the joint: those are
 
 Nothing else changes: other tags, ``ac_graph_id`` and the graph's structure stay as they were. Explicit
 selectors that match nothing in a graph that could hold them are listed (``unmatched``); whether that is an
-error is decided once per compile, by the backend, when the first backward runs (see sacpass.backend).
+error is decided once per compile, when the first backward runs (see sacpass.selector_check).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..errors import PolicyConflictError, SelectorError
+from ..errors import SelectorError
 from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, module_stack, node_nbytes,
                      node_op, op_name, source_of, unpackers)
 from ..policies import Policy
@@ -148,26 +148,6 @@ def _refuse_unsaveable(node: torch.fx.Node, sel) -> None:
             f"is nothing to save. Select the op producing the tensor to keep.")
 
 
-def _action(node: torch.fx.Node, policy: Policy) -> tuple[str, object] | None:
-    """(action, selector) for one node, by precedence; raises on two explicit actions."""
-    hits = {kind: next((s for s in getattr(policy, kind) if s(node)), None)
-            for kind in ("recompute", "offload", "save")}
-    named = [(k, s) for k, s in hits.items() if s is not None]
-    if len(named) > 1:
-        order = ("save", "offload", "recompute")
-        (ka, sa), (kb, sb) = sorted(named, key=lambda ks: order.index(ks[0]))[:2]
-        raise PolicyConflictError(
-            f"sacpass: node {_describe(node)} is selected both to {ka} ({sa}) and to {kb} ({sb}). Remove it "
-            f"from one of {ka}= / {kb}=, or narrow a selector with a module pattern ('<module>::ns::op').")
-    if named:
-        return named[0]
-    reg = next((s for s in policy.registered if s(node)), None)
-    if reg is not None:
-        return "save", reg
-    default = next((s for s in policy.defaults if s(node)), None)
-    return ("save", default) if default is not None else None
-
-
 def _save_reason(node: torch.fx.Node, action: str, sel) -> str:
     """Why a selected node is kept. A selection that returns (values, indices) and is saved explicitly is kept
     as a discrete decision too: its indices in their narrowest form, its values rebuilt by a gather."""
@@ -192,7 +172,7 @@ def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy) -> TagResult:
     for node in list(graph.nodes):
         if node.op != "call_function" or is_getitem(node):
             continue
-        hit = _action(node, policy)
+        hit = policy.action(lambda s: s(node), lambda: f"node {_describe(node)}")
         if hit is None:
             continue
         action, sel = hit

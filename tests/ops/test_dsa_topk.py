@@ -121,6 +121,7 @@ def test_fp8_inputs_are_checked():
     torch.library.opcheck(OP, (q8, k8, w8, starts, ends, 4, 1.0), {"k_scale": ks}, test_utils="test_faketensor")
 
 
+@pytest.mark.slow
 def test_fp8_indexer_in_the_model_keeps_the_same_op_and_must_save():
     """GLM52Config(fp8_indexer=True): the same glm52::dsa_topk_indices runs on e4m3 inputs; compiled with
     sacpass the backward re-runs it 0 times; a head dim other than 128 is refused."""

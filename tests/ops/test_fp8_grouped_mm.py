@@ -137,8 +137,9 @@ def _train(fp8_experts: bool, steps: int = 20) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_tiny_model_20_steps_fp8_experts_loss_within_1_percent():
-    """The issue's numerics target on the CPU: the tiny model (FP8 linears) trained 20 steps with FP8 routed
+    """The FP8 experts' numerics target on the CPU: the tiny model (FP8 linears) trained 20 steps with FP8 routed
     experts ends within 1% of the same run with unquantised experts, and both actually train."""
     fp8 = _train(True)
     ref = _train(False)

@@ -1,0 +1,269 @@
+"""The compile: the :class:`Backend` that ``torch.compile(model, backend=sacpass.backend(...))`` calls.
+
+One compile, in order: (warn about checkpointed regions Dynamo ran eagerly) -> ``repair_module_paths_pass``
+and ``route_checkpoints_pass`` on the Dynamo graph -> open a :class:`~sacpass.partitioner.CompileContext`
+-> ``compile_fx`` (``inner="inductor"``, sacpass in Inductor's ``custom_partitioner_fn`` slot, after
+Inductor's joint passes) or ``aot_autograd`` with the same partition function (``inner="aot_eager"``, graphs
+run eagerly) -> read the partitions off the context -> sinks: ``backend.reports`` / ``backend.results``,
+dumps, the persisted copy for warm caches (:mod:`sacpass.report_store`), ``TORCH_TRACE``. The explicit
+selectors are checked at the first backward (:mod:`sacpass.selector_check`); the options are checked by
+:mod:`sacpass.options`. ``torch.compile(model, backend="sacpass", options=...)`` reaches
+:func:`sacpass_backend`, registered as a ``torch_dynamo_backends`` entry point.
+Dynamo and Inductor are imported when a compile starts, never at ``import sacpass``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import report_store
+from ._version import sources_digest
+from .dump import Dumper, trace_report
+from .errors import warn
+from .frames import running
+from .options import check_mode, check_options, options_key
+from .partitioner.context import CompileContext, GraphIds, PartitionConfig, PartitionResult, active
+from .plan import Plan, as_plan, check_memory_budget
+from .policies import Policy, note_registry_used
+from .report import Report
+from .selector_check import SelectorCheck, unmatched
+
+__all__ = ["Backend", "backend", "named_backend", "sacpass_backend"]
+
+
+def _boxed_nop(gm: torch.fx.GraphModule, example_inputs: Any):
+    from functorch.compile import make_boxed_func
+    return make_boxed_func(gm.forward)
+
+
+def _append_newest(items: list, item: Any, limit: int) -> None:
+    """Append, keeping the newest ``limit`` items (0 keeps none)."""
+    items.append(item)
+    del items[:max(len(items) - max(limit, 0), 0)]
+
+
+def _inside_eager_checkpoint() -> bool:
+    """True when the compile was entered from inside an eager torch.utils.checkpoint."""
+    return running(torch.utils.checkpoint.__file__,
+                   ("checkpoint", "forward", "_checkpoint_without_reentrant_generator"))
+
+
+class Backend:
+    """A torch.compile backend that partitions with sacpass. Reports land in ``self.reports``.
+
+    The policy's registered part (``register_must_save``), predicate keys and the plan's host budget are read
+    at each compile, so the cache key (:attr:`uuid`) follows them. A backend keeps the newest
+    ``max_reports`` reports and ``max_results`` partition results (each holds a forward and a backward
+    GraphModule); set them on the instance (or the class) to keep more or fewer, and :meth:`clear` drops both.
+    """
+
+    max_reports = 4096
+    max_results = 64
+    is_sacpass_backend = True  # how sacpass.graph_breaks tells a sacpass compile (it imports no backend)
+
+    def __init__(self, save=None, recompute=None, offload=None, inner: str = "inductor", strict: bool = True,
+                 dump_dir: str | os.PathLike | None = None, use_registered: bool = True,
+                 save_collectives: bool = True, save_discrete: bool = True, memory_budget: float | None = None,
+                 plan: Plan | str | None = None):
+        check_options(inner, strict=strict, use_registered=use_registered, save_collectives=save_collectives,
+                      save_discrete=save_discrete)
+        self.inner, self.strict, self.use_registered = inner, strict, use_registered
+        self._policy = Policy.build(save, recompute, offload, use_registered=False,
+                                    save_collectives=save_collectives, save_discrete=save_discrete)
+        self._config = PartitionConfig(policy=self._policy, strict=strict,
+                                       memory_budget=check_memory_budget(memory_budget), plan=as_plan(plan))
+        dump_dir = dump_dir if dump_dir is not None else os.environ.get("SACPASS_DUMP_DIR") or None
+        self.dumper = Dumper(dump_dir) if dump_dir else None
+        self.reports: list[Report] = []
+        self.results: list[PartitionResult] = []  # fw/bw graphs of partitions done in this process
+        self._ids = GraphIds()
+        self._lock = threading.Lock()
+        self._warned_uncached: set[str] = set()
+        self._partitioner = None
+        self._selector_check = SelectorCheck(self)
+        from .graph_breaks import watch
+        watch()
+
+    @property
+    def config(self) -> PartitionConfig:
+        """The config a compile starting now partitions under (the registry read now)."""
+        if not self.use_registered:
+            return self._config
+        policy = self._policy.with_registry()
+        return self._config if policy is self._policy else dataclasses.replace(self._config, policy=policy)
+
+    @property
+    def policy(self) -> Policy:
+        return self.config.policy
+
+    @property
+    def uuid(self) -> str | None:
+        """The cache key a compile starting now runs under (None: the compile caches are bypassed)."""
+        return self.open_context().uuid
+
+    def open_context(self, routed_checkpoints: tuple[str, ...] = ()) -> CompileContext:
+        """A compile's context: the config as of now and its cache key (see :func:`report_store.artifact_key`)."""
+        config = self.config
+        key = config.key()
+        why = config.policy.uncacheable() if key is None else []
+        return CompileContext(config, self._ids, routed_checkpoints, owner=self.partitioner,
+                              uuid=None if key is None else f"sacpass-{sources_digest()}-{key}",
+                              uncached="; ".join(why))
+
+    @property
+    def partitioner(self):
+        """The partition function object (built at the first compile: it derives from an Inductor class)."""
+        if self._partitioner is None:
+            from .partitioner.partition_fn import make_partitioner
+            self._partitioner = make_partitioner(self.open_context)
+        return self._partitioner
+
+    def clear(self) -> None:
+        """Drop the reports and partition results kept so far (the compiled graphs are not affected)."""
+        with self._lock:
+            self.reports.clear()
+            self.results.clear()
+
+    # ------------------------------------------------------------------ compile
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        from .passes.checkpoint_regions import route_checkpoints_pass
+        from .passes.module_paths import repair_module_paths_pass
+
+        if _inside_eager_checkpoint():
+            warn("sacpass: torch.compile was entered from inside an eager torch.utils.checkpoint "
+                 "(checkpoint(compile(f))). The outer checkpoint discards what the compiled graph saves, so "
+                 "sacpass's must-save tags have no effect. Put the checkpoint inside the compiled function: "
+                 "compile(checkpoint(f)).")
+        repair_module_paths_pass(gm)
+        ctx = self.open_context(tuple(route_checkpoints_pass(gm)))
+        self._warn_uncached(ctx)
+        key = report_store.artifact_key(gm, example_inputs, ctx.uuid, self.inner)
+        hits = report_store.cache_hits()
+        with active(ctx):
+            compiled = self._compile(gm, example_inputs)
+        if self.use_registered:
+            note_registry_used()
+        for result in ctx.results:
+            self._publish(result, key)
+        if self.policy.explicit and not self._selector_check.done:
+            compiled = self._selector_check.wrap(compiled)
+        self._account_unpartitioned(ctx, example_inputs, key, hit=report_store.cache_hits() > hits)
+        return compiled
+
+    def _warn_uncached(self, ctx: CompileContext) -> None:
+        """Once per backend and reason: the compile caches are bypassed, and why."""
+        if ctx.uncached and ctx.uncached not in self._warned_uncached:
+            self._warned_uncached.add(ctx.uncached)
+            warn(f"sacpass: the FX-graph and AOTAutograd caches are bypassed for this backend: {ctx.uncached}. "
+                 f"Give the predicate a `cache_hash` attribute (a string that changes when its logic does), or "
+                 f"make what it reads a plain value (number, string, bool, None, tuple) or an object with a "
+                 f"`cache_hash`, to cache.")
+
+    def _account_unpartitioned(self, ctx: CompileContext, example_inputs, key: str | None, hit: bool) -> None:
+        """A compile that ran no partition: an inference graph (nothing to report), or a training graph served
+        from AOTAutograd's cache (PyTorch's own signal: its hit counter), whose report is the persisted copy."""
+        training = torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+        if ctx.results or not training:
+            return
+        if hit:
+            report = report_store.load(key)
+            if report is not None:
+                self._keep(report.with_graph(self._ids.next(), from_cache=True))
+        elif key is not None:  # AOTAutograd found no output needing a gradient: an inference graph
+            report_store.persist(key, None)
+
+    def _compile(self, gm, example_inputs):
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+        from torch._dynamo.backends.common import aot_autograd
+        inner = aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop, partition_fn=self.partitioner,
+                             keep_inference_input_mutations=True)
+        return inner(gm, example_inputs)
+
+    # ------------------------------------------------------------------ sinks
+    def _publish(self, result: PartitionResult, key: str | None) -> None:
+        with self._lock:
+            _append_newest(self.results, result, self.max_results)
+        self._keep(result.report)
+        if self.dumper is not None:
+            self.dumper.write(result)
+        trace_report(result.report)
+        if key is not None:
+            report_store.persist(key, result.report)
+
+    def _keep(self, report: Report) -> None:
+        with self._lock:
+            _append_newest(self.reports, report, self.max_reports)
+
+    def context_fn(self):
+        """A ``context_fn`` for ``torch.utils.checkpoint`` with this backend's policy, for regions that run
+        eagerly (see :func:`sacpass.context_fn`)."""
+        from .context import _from_policy
+        return _from_policy(self.policy)
+
+    # ------------------------------------------------------------------ summaries
+    def unmatched(self) -> list[str]:
+        """Explicit selectors that have matched in no graph this backend partitioned so far."""
+        return unmatched(self.reports, self.policy)
+
+    def print_reports(self, file=None) -> None:
+        for r in self.reports:
+            r.print(file=file)
+
+    def __repr__(self) -> str:
+        return f"sacpass.Backend(inner={self.inner!r}, strict={self.strict}, policy={self.policy})"
+
+
+def backend(save=None, recompute=None, offload=None, inner: str = "inductor", strict: bool = True,
+            dump_dir: str | os.PathLike | None = None, use_registered: bool = True, save_collectives: bool = True,
+            save_discrete: bool = True, memory_budget: float | None = None,
+            plan: Plan | str | None = None) -> Backend:
+    """Build a sacpass backend for ``torch.compile(model, backend=...)``.
+
+    save:       selectors whose outputs are MUST_SAVE (besides those declared with register_must_save)
+    recompute:  selectors forced to MUST_RECOMPUTE (wins over every default)
+    offload:    selectors whose outputs go to pinned host memory between forward and backward
+    inner:      "inductor" (compile_fx) or "aot_eager" (same partition, eager execution)
+    strict:     raise (True) or warn (False) on an unmatched explicit selector or a policy the partition breaks
+    dump_dir:   write per-graph dumps there (also SACPASS_DUMP_DIR)
+    use_registered:   include the selectors declared with register_must_save (default True)
+    save_collectives: keep functional collectives must-save inside checkpoints too (PyTorch's rule outside
+                      them); a recompute selector matching a collective wins
+    save_discrete:    keep discrete decisions (top-k, sort, argmax, routers, integer-valued custom ops) the
+                      backward needs, as their narrowest integer form; a recompute selector wins
+    memory_budget:    share in [0, 1] of what no checkpointing would keep that checkpointed regions keep on the
+                      device (0: recompute all but the must-saves); None: off
+    plan:       "auto" or a sacpass.Plan: choose save / offload / recompute per value under budgets
+    """
+    return Backend(save=save, recompute=recompute, offload=offload, inner=inner, strict=strict, dump_dir=dump_dir,
+                   use_registered=use_registered, save_collectives=save_collectives, save_discrete=save_discrete,
+                   memory_budget=memory_budget, plan=plan)
+
+
+_NAMED: dict[str, Backend] = {}
+
+
+def named_backend(options: dict[str, Any] | None = None) -> Backend:
+    """The Backend that ``torch.compile(m, backend="sacpass", options=options)`` uses (one per option set)."""
+    options = dict(options or {})
+    key = options_key(options)
+    if key not in _NAMED:
+        _NAMED[key] = backend(**options)
+    return _NAMED[key]
+
+
+def sacpass_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
+                    mode: str | None = None):
+    """Entry point registered as ``torch_dynamo_backends: sacpass``."""
+    check_mode(mode)
+    return named_backend(options)(gm, example_inputs)
+
+
+sacpass_backend.is_sacpass_backend = True  # see Backend.is_sacpass_backend

@@ -1,0 +1,31 @@
+"""The package itself: setup.py's dependencies, the public star import, and what importing sacpass and its CLI
+pulls in."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_setup_keeps_the_lower_bound_only_and_depends_on_numpy():
+    text = open(os.path.join(ROOT, "setup.py")).read()
+    assert '"torch>=2.11"' in text and "<2.15" not in text and '"numpy"' in text
+
+
+def test_policies_star_import():
+    namespace: dict = {}
+    exec("from sacpass.policies import *", namespace)  # noqa: S102
+    assert {"Policy", "register_must_save", "registered_must_save", "clear_registry"} <= set(namespace)
+
+
+def test_import_and_cli_do_not_import_dynamo_or_inductor(tmp_path):
+    from dumps import toy_dump
+
+    directory = tmp_path / "d"
+    toy_dump(directory)
+    code = ("import sys, sacpass, sacpass.cli;"
+            f"rc = sacpass.cli.main(['report', {str(directory)!r}], out=open(__import__('os').devnull, 'w'));"
+            "bad = [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules];"
+            "print('RC', rc, 'BAD', bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "RC 0 BAD []" in out.stdout, out.stdout + out.stderr
