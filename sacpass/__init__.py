@@ -4,9 +4,9 @@ Tag what to save, offload or recompute before PyTorch's min-cut partitioner runs
 report what the forward keeps for the backward and why. ``import sacpass`` loads torch only; Dynamo and
 Inductor are imported when a compile starts.
 """
-from ._version import __version__, check_torch_version
+from ._version import __version__, check_torch_version, cli_process
 
-check_torch_version()
+check_torch_version(warn_untested=not cli_process())
 
 from .errors import (  # noqa: E402
     BackendOptionError, DumpError, MustSaveViolation, OffloadError, PolicyConflictError, SacpassError,

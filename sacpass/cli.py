@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from typing import IO, Sequence
 
+from ._version import check_torch_version
 from .dump import read_index, read_report, render_dump
 from .errors import DumpError
 from .report import Report, format_report
@@ -117,6 +118,7 @@ def cmd_show(args, out: IO[str]) -> int:
 # --------------------------------------------------------------------------------------------------- demo
 def run_demo(argv: Sequence[str]) -> int:
     """``glm52_model.demo.main(argv)``, imported only now (the demo needs the model package)."""
+    check_torch_version()  # the demo partitions: the warning on an untested torch that the import left out
     try:
         from glm52_model.demo import main as demo_main
     except ImportError as e:

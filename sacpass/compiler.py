@@ -48,9 +48,19 @@ def _append_newest(items: list, item: Any, limit: int) -> None:
 
 
 def _inside_eager_checkpoint() -> bool:
-    """True when the compile was entered from inside an eager torch.utils.checkpoint."""
+    """True when the compile was entered from inside an eager torch.utils.checkpoint.
+
+    The non-reentrant checkpoint, in every form (``checkpoint(f, x)``, the decorator form
+    ``@checkpoint(use_reentrant=False)`` of torch 2.14+, the recomputation in backward), runs ``f`` under
+    saved-tensor hooks of its own: the innermost hooks are torch.utils.checkpoint's. The reentrant one pushes
+    none (it runs ``f`` inside ``CheckpointFunction.forward``), nor does a non-reentrant one whose ``f`` pushed
+    hooks of its own: those are told by the frames of torch.utils.checkpoint on the stack."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if hooks is not None and getattr(hooks[0], "__module__", None) == torch.utils.checkpoint.__name__:
+        return True
     return running(torch.utils.checkpoint.__file__,
-                   ("checkpoint", "forward", "_checkpoint_without_reentrant_generator"))
+                   ("checkpoint", "forward", "_checkpoint_without_reentrant_generator", "_checkpoint_impl"))
 
 
 class Backend:

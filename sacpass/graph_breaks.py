@@ -131,7 +131,8 @@ def checkpoint_call(exc: BaseException | None) -> dict[str, Any] | None:
 
 def _checkpointed_module(body: Any) -> torch.nn.Module | None:
     """The module a checkpointed function belongs to: the module itself, a bound method of it, or a
-    ``functools.partial`` of either (as Dynamo tracks them)."""
+    ``functools.partial`` of either (as Dynamo tracks them: a bound method's object is ``obj`` up to torch
+    2.14, ``im_self`` from 2.15)."""
     for _ in range(6):
         if body is None:
             return None
@@ -140,7 +141,7 @@ def _checkpointed_module(body: Any) -> torch.nn.Module | None:
         value = getattr(body, "value", None)
         if isinstance(value, torch.nn.Module):
             return value
-        body = getattr(body, "obj", None) or getattr(body, "func", None)
+        body = getattr(body, "obj", None) or getattr(body, "im_self", None) or getattr(body, "func", None)
     return None
 
 

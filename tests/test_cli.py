@@ -144,3 +144,20 @@ def test_cli_diff_prints_each_graphs_bytes_once(tmp_path):
     buf = io.StringIO()
     assert main(["diff", str(a), str(b)], out=buf) == 1
     assert buf.getvalue().count("g0: saved bytes") == 1, buf.getvalue()
+
+
+@pytest.mark.parametrize("argv, orig_argv, expected", [
+    (["-m"], ["python", "-m", "sacpass", "report", "d"], True),  # `python -m sacpass` while it imports sacpass
+    (["-m"], ["python", "-W", "ignore", "-msacpass", "report", "d"], True),
+    (["-m"], ["python", "-m", "pytest", "tests"], False),  # a package whose import imports sacpass
+    (["/venv/bin/sacpass", "report", "d"], ["python", "/venv/bin/sacpass", "report", "d"], True),
+    (["-c"], ["python", "-c", "import sacpass"], False),
+    (["train.py", "-m", "sacpass"], ["python", "train.py", "-m", "sacpass"], False),
+])
+def test_cli_process_is_told_at_import(monkeypatch, argv, orig_argv, expected):
+    """The CLI leaves the newer-than-tested torch warning out of ``import sacpass`` (errors are one line)."""
+    from sacpass._version import cli_process
+
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig_argv, raising=False)
+    assert cli_process() is expected

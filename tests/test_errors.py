@@ -171,11 +171,11 @@ def test_unknown_named_option_lists_valid_keys():
 def test_torch_version_range():
     with pytest.raises(sacpass.UnsupportedTorchVersion, match="2.10.0.*>= 2.11"):
         check_torch_version("2.10.0")
-    with pytest.warns(sacpass.SacpassWarning, match="2.15.0.*newer than the newest tested"):
-        check_torch_version("2.15.0")
+    with pytest.warns(sacpass.SacpassWarning, match="2.16.0.*newer than the newest tested version 2.15"):
+        check_torch_version("2.16.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for v in ("2.11.0+cu130", "2.13.0+cpu", "2.14.1"):
+        for v in ("2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"):
             check_torch_version(v)
 
 
@@ -186,6 +186,26 @@ def test_checkpoint_outside_compile_warns():
     x = torch.randn(8, 32, requires_grad=True)
     with pytest.warns(sacpass.SacpassWarning, match=r"checkpoint\(compile\(f\)\).*compile\(checkpoint\(f\)\)"):
         torch.utils.checkpoint.checkpoint(compiled, x, use_reentrant=False).sum().backward()
+
+
+def test_checkpoint_decorator_outside_compile_warns():
+    """The decorator form (torch 2.14+) runs the function through torch's checkpoint without a frame named
+    ``checkpoint``: still checkpoint(compile(f))."""
+    try:
+        decorator = torch.utils.checkpoint.checkpoint(use_reentrant=False)
+    except TypeError:
+        pytest.skip(f"torch {torch.__version__}'s checkpoint has no decorator form")
+    layer = ToyLayer(checkpointed=False)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
+    compiled = torch.compile(layer, backend=be, fullgraph=True)
+
+    @decorator
+    def run(x):
+        return compiled(x)
+
+    x = torch.randn(8, 32, requires_grad=True)
+    with pytest.warns(sacpass.SacpassWarning, match=r"checkpoint\(compile\(f\)\).*compile\(checkpoint\(f\)\)"):
+        run(x).sum().backward()
 
 
 def test_activation_memory_budget_zero_with_must_save():
