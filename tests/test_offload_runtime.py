@@ -15,31 +15,15 @@ import torch
 import sacpass
 import sacpass.offload as rt
 from sacpass.testing import no_compile_caches
-from toy import ToyLayer
+from toy import CompiledStack
 
 N_LAYERS = 3
 OFFLOAD = {"offload": ["aten::addmm"]}
 
 
-class Stack(torch.nn.Module):
-    """Toy layers, each compiled on its own: one compiled graph execution (one bundle) per layer."""
-
-    def __init__(self, backend, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.layers = torch.nn.ModuleList(ToyLayer() for _ in range(N_LAYERS))
-        for layer in self.layers:
-            layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _stack(seed=0, **options):
     be = sacpass.backend(inner="aot_eager", **(options or OFFLOAD))
-    return Stack(be, seed), be
+    return CompiledStack(be, N_LAYERS, seed), be
 
 
 def _x(seed=1):

@@ -221,3 +221,20 @@ def unwrap(excinfo):
         err = err.__cause__ or getattr(err, "inner_exception", None)
     assert err is not None, f"no SacpassError in {excinfo.value!r}"
     return err
+
+
+class CompiledStack(nn.Module):
+    """Toy layers, each compiled on its own with ``backend``: one compiled graph execution per layer, as the
+    model's decoder layers run (the offload runtime's unit: one bundle per layer and step)."""
+
+    def __init__(self, backend, n_layers: int = 3, seed: int = 0, **layer_kw):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(ToyLayer(**layer_kw) for _ in range(n_layers))
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

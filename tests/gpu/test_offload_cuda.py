@@ -12,24 +12,15 @@ import torch
 import sacpass
 import sacpass.offload as offload_runtime
 from sacpass.testing import OpCounter
-from toy import ToyLayer
+from toy import CompiledStack, ToyLayer
 
 pytestmark = pytest.mark.gpu
 N_LAYERS = 3
 
 
-class Stack(torch.nn.Module):
-    def __init__(self, backend):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList(ToyLayer(dim=256, idx_dim=64, topk=16) for _ in range(N_LAYERS))
-        for layer in self.layers:
-            layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+def Stack(backend, seed=0):
+    """The GPU stack: toy layers at a width where the copies are worth timing, one compiled graph each."""
+    return CompiledStack(backend, N_LAYERS, seed, dim=256, idx_dim=64, topk=16)
 
 
 def _run(options):
@@ -106,8 +97,7 @@ def test_planner_on_cuda_matches_full_recompute():
 # ------------------------------------------------------------------------------------------ lifecycle
 def _stack(options, seed=0):
     be = sacpass.backend(inner="inductor", **options)
-    torch.manual_seed(seed)
-    return Stack(be).cuda(), be
+    return Stack(be, seed).cuda(), be
 
 
 def _step(model, x):
