@@ -28,8 +28,8 @@ NAME_RULE = re.compile(r"(run|issue)[0-9]+", re.I)      # a results file is name
 KIND_ORDER = ("topk_op", "logits_sweep", "select_sweep", "topk_host", "ncu", "sparse_mla", "experts", "layer",
               "layer_profile", "model", "sac_vs_sacpass", "router_drift")
 ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json",
-         "ncu_logits_32k_h200.txt", "ncu_select_32k_h200.txt", "sparse_mla_64heads_16k_h200.json",
-         "sparse_mla_16heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
+         "ncu_logits_32k_h200.txt", "ncu_select_32k_h200.txt", "sparse_mla_16k_h200.json",
+         "sparse_mla_bwd_dkv_layouts_64heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
          "layer_16k_128k_h200.json", "profile_layer_64k_fp8experts_h200.json", "frontier_1layer_h200.json",
          "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
          "budget_solvers_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")

@@ -13,6 +13,7 @@ import glm52_model.ops  # noqa: F401
 from glm52_model.ops.dsa_topk import _dsa_topk_kernel, ref_dsa_scores
 
 tl_ops = pytest.importorskip("glm52_model.ops.cuda.dsa_topk_tl", reason="TileLang not installed")
+from glm52_model.ops.cuda import _common  # noqa: E402
 SCORE_TOL = 1e-4  # relative to the row's score scale
 # The H200's FP8 tensor cores accumulate with about 14 mantissa bits (DeepSeek-V3 report, sec. 3.3.2), so e4m3
 # logits differ from their fp32 math by up to ~2^-14 of each head's sum of |q_d k_d|: near-ties are wider
@@ -98,6 +99,17 @@ def test_topk_matches_reference_up_to_ties(S, H, D, topk, packed):
     ref = _dsa_topk_kernel(q, k, w, starts, ends, topk, scale)  # the PyTorch kernel, on CUDA
     same_set = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).all(1)
     assert float(same_set.float().mean()) >= 0.99, f"only {float(same_set.float().mean()):.4f} rows equal"
+
+
+@pytest.mark.parametrize("H", [2, 4, 48])
+def test_head_counts_the_kernel_does_not_take_run_the_reference(H):
+    """Head counts outside ``KERNEL_HEADS`` (the tiny model's 2 indexer heads, 48) run the PyTorch kernel, warn
+    once, and give exactly its ids: with 2 heads the logits kernel's 64-query blocks selected wrong keys."""
+    q, k, w, starts, ends = _inputs(700, H, 128)
+    _common._warned.discard(f"glm52::dsa_topk_indices:heads{H}")
+    with pytest.warns(UserWarning, match=f"{H} heads run the PyTorch reference kernel"):
+        ids = torch.ops.glm52.dsa_topk_indices(q, k, w, starts, ends, 64, 128 ** -0.5)
+    assert torch.equal(ids, _dsa_topk_kernel(q, k, w, starts, ends, 64, 128 ** -0.5))
 
 
 def test_topk_tie_differences_are_quantified():

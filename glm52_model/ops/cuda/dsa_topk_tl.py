@@ -606,6 +606,388 @@ def build_topk_select(topk: int, *, threads: int = 512, candidates: int = 3072, 
                 if (it * threads + tx >= tsum[0]) & (it * threads + tx < topk):
                     Out[row, it * threads + tx] = -1
 
+    # The stages of the kernel, in order. Scalars they share are the kernel's `T.alloc_var`s, passed as `T.Ref`:
+    # a macro's plain parameter would bind a copy (a let), and its stores would not reach the caller.
+
+    @T.macro
+    def clear_hist(tx, hist, n):
+        """hist[0..n] <- 0: n bins and the suffix sums' hist[n]."""
+        for it in T.serial(T.ceildiv(n + 1, threads)):
+            p = it * threads + tx
+            if p <= n:
+                hist[p] = 0
+
+    @T.macro
+    def clear_winners(tx, skey, sidx):
+        """The sort_n winners' places <- (FLIP, _INT_MAX): no key, sorted last, written as -1."""
+        for it in T.serial(T.ceildiv(sort_n, threads)):
+            p = it * threads + tx
+            if p < sort_n:
+                skey[p] = FLIP
+                sidx[p] = _INT_MAX
+
+    @T.macro
+    def radix_pick(tx, hist, sv, wsum, ctl, want: T.Ref):
+        """After an 8-bit histogram's atomics: its suffix sums, and ctl[0] <- the bin holding the want-th key."""
+        radix_suffix(tx, hist, sv, wsum)
+        if tx < RADIX:
+            if hist[tx] >= want and hist[tx + 1] < want:
+                ctl[0] = tx
+        T.sync_threads()
+
+    @T.macro
+    def init_row(row, tx, Starts, Ends, skey, sidx, ctl, cnt, start: T.Ref, end: T.Ref, prefix: T.Ref,
+                 pmask: T.Ref, krem: T.Ref, placed: T.Ref):
+        """The row's keys [start, end) and the vectors holding them; the winners' places, counters, cleared.
+        Returns n_valid, n_iter (keys a thread), base_v (the first vector), n_vit (vectors a thread), n_sv
+        (sampled vectors)."""
+        start = T.max(Starts[row], 0)
+        end = T.min(Ends[row], seq_k)
+        prefix = T.uint32(0)
+        pmask = T.uint32(0)
+        krem = topk
+        placed = 0
+        n_valid = end - start
+        n_iter = T.ceildiv(T.max(n_valid, 0), threads)                # the row's keys a thread
+        base_v = start // vec                                        # the row's first vector
+        n_vit = T.ceildiv(T.max(end - base_v * vec, 0), threads * vec)
+        # sampled vectors: groups of `sample_group` adjacent ones, one group in every `sample` groups
+        n_sv = T.ceildiv(T.ceildiv(T.max(end - base_v * vec, 0), vec), sample * sample_group) * sample_group
+
+        clear_winners(tx, skey, sidx)
+        if tx < 4:
+            ctl[tx] = 0
+        if tx == 0:
+            cnt[0] = 0
+        return n_valid, n_iter, base_v, n_vit, n_sv
+
+    @T.macro
+    def first_histogram(Logits, row, tx, n_valid, base_v, n_vit, n_sv, xv, kv, hist, start: T.Ref, end: T.Ref,
+                        prefix: T.Ref, pmask: T.Ref, key: T.Ref, sampled: T.Ref, want: T.Ref):
+        """Round 0's histogram of the top 12 bits (sign, exponent, 3 mantissa bits; 8 bits would span a factor
+        of 4 in score and put up to half a long row in one bin): over the row, or (sampled <- 1) over the
+        sample of a row of sample_min keys or more."""
+        T.sync_threads()
+        clear_hist(tx, hist, FIRST_BINS)
+        sampled = 0
+        if n_valid >= sample_min:
+            sampled = 1
+        want = topk
+        T.sync_threads()
+        if sampled == 1:
+            sampled_histogram(Logits, row, tx, n_sv, base_v, start, end, xv, kv, hist, prefix, pmask, False)
+        else:
+            for it in T.serial(n_vit):
+                jb = (base_v + it * threads + tx) * vec
+                load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
+                for v in T.unroll(vec):
+                    if (jb + v >= start) & (jb + v < end):
+                        key = _ordered_key(xv[v])
+                        T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
+        T.sync_threads()
+
+    @T.macro
+    def first_threshold(tx, n_valid, hist, tsum, wsum, sv, ctl, sampled: T.Ref, want: T.Ref, bin_: T.Ref,
+                        prefix: T.Ref, pmask: T.Ref):
+        """Round 0's threshold bin, by a suffix scan of the histogram: the bin holding the want-th largest key
+        (topk, or on a sample its bound below) -> ctl[0], the keys above it -> ctl[3], its 12 bits -> prefix
+        under pmask."""
+        val = T.alloc_var(T.int32)
+        # suffix sums: each thread owns `per` consecutive bins; scan the threads' totals
+        sv[0] = 0
+        for i in T.serial(per):
+            sv[0] = sv[0] + hist[tx * per + i]
+        suffix_scan(tx, sv, tsum, wsum, threads)
+        if sampled == 1:
+            # the sample's rank that bounds the row's top-k from below: its expected share of the top-k,
+            # plus four standard deviations and a few (a row where it does not falls back below)
+            mu = T.Cast(T.float32, topk) * T.Cast(T.float32, tsum[0]) / T.Cast(T.float32, n_valid)
+            want = T.min(T.Cast(T.int32, mu + 4.0 * T.sqrt(mu)) + 8, tsum[0])
+        val = tsum[tx + 1]                                   # keys in bins above this thread's
+        for i in T.serial(per):
+            bin_ = tx * per + per - 1 - i
+            if val < want and val + hist[bin_] >= want:
+                ctl[0] = bin_
+                ctl[3] = val                                 # keys strictly above the bin
+            val = val + hist[bin_]
+        T.sync_threads()
+        bin_ = ctl[0]
+        prefix = T.Cast(T.uint32, bin_) << T.uint32(32 - FIRST_BITS)
+        pmask = T.uint32((FIRST_BINS - 1) << (32 - FIRST_BITS))
+
+    @T.macro
+    def sampled_bound(Logits, row, tx, base_v, n_sv, xv, kv, hist, sv, wsum, ctl, start: T.Ref, end: T.Ref,
+                      prefix: T.Ref, pmask: T.Ref, want: T.Ref, tau: T.Ref):
+        """Round 0 again on the sample, on the next 8 bits of the threshold bin's keys: tau <- a 20-bit lower
+        bound on the row's k-th largest key."""
+        want = want - ctl[3]
+        T.sync_threads()
+        clear_hist(tx, hist, RADIX)
+        T.sync_threads()
+        sampled_histogram(Logits, row, tx, n_sv, base_v, start, end, xv, kv, hist, prefix, pmask, True)
+        radix_pick(tx, hist, sv, wsum, ctl, want)
+        tau = prefix | (T.Cast(T.uint32, ctl[0]) << T.uint32(32 - FIRST_BITS - RADIX_BITS))
+
+    @T.macro
+    def collect_above_bound(Logits, row, tx, base_v, n_vit, xv, slot, cnt, ckey, cidx, start: T.Ref, end: T.Ref,
+                            key: T.Ref, tau: T.Ref, ncand: T.Ref, from_row: T.Ref, prefix: T.Ref, pmask: T.Ref,
+                            n_rounds: T.Ref):
+        """One pass keeps every key >= tau (about want * sample of them) in shared memory as the candidates;
+        from_row <- 1 where the bound missed (fewer than topk of them, or more than the buffer holds). The
+        rounds after it (if any) start over on all 32 bits."""
+        if rank_sort:
+            # the candidates: every key >= tau, compared as floats (x >= tau_f; at the bottom, the bin of
+            # -inf: every finite x) where the vector lies inside the row
+            tau_f = T.alloc_var(T.float32)
+            tau_f = T.if_then_else(tau <= T.uint32(0x007FFFFF), -T.infinity(T.float32), _from_ordered_key(tau))
+            for it in T.serial(T.ceildiv(n_vit, unroll)):
+                for u in T.unroll(unroll):
+                    load_trip(Logits, row, base_v + (it * unroll + u) * threads + tx, end, xv, False, u * vec)
+                for u in T.unroll(unroll):
+                    jb = (base_v + (it * unroll + u) * threads + tx) * vec
+                    if (jb >= start) & (jb + vec <= end):        # the vector inside the row
+                        for v in T.unroll(vec):
+                            if xv[u * vec + v] >= tau_f:
+                                slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
+                                if slot[0] < candidates:
+                                    ckey[slot[0]] = _ordered_key(xv[u * vec + v])
+                                    cidx[slot[0]] = jb + v
+                    else:
+                        for v in T.unroll(vec):
+                            key = _ordered_key(xv[u * vec + v])
+                            if (jb + v >= start) & (jb + v < end) & (key >= tau):
+                                slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
+                                if slot[0] < candidates:
+                                    ckey[slot[0]] = key
+                                    cidx[slot[0]] = jb + v
+        else:
+            for it in T.serial(n_vit):
+                jb = (base_v + it * threads + tx) * vec
+                load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
+                for v in T.unroll(vec):
+                    key = _ordered_key(xv[v])
+                    append((jb + v >= start) & (jb + v < end) & (key >= tau), cnt[0], slot)
+                    if (jb + v >= start) & (jb + v < end) & (key >= tau):
+                        if slot[0] < candidates:
+                            ckey[slot[0]] = key
+                            cidx[slot[0]] = jb + v
+        T.sync_threads()
+        ncand = cnt[0]
+        from_row = T.if_then_else((ncand < topk) | (ncand > candidates), 1, 0)  # the bound missed: the row
+        prefix = T.uint32(0)
+        pmask = T.uint32(0)
+        n_rounds = 4
+
+    @T.macro
+    def rank_candidates(tx, row, ckey, cidx, skey, sidx, hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot, Out,
+                        ncand: T.Ref, from_row: T.Ref, placed: T.Ref, n_rounds: T.Ref):
+        """(direct_rank) Where the bound held, every key >= tau is a candidate and there are >= topk of them:
+        their own ranks are the row's, and the counting sort writes the first topk (placed <- 1, no rounds);
+        where a bucket holds over RANK_MAX of them, the winners' places are cleared for the rounds below."""
+        if direct_rank:
+            if from_row == 0:
+                rank_place(tx, row, ncand, ckey, cidx, True, skey, sidx, cand_b, cand_e, cand_b // threads,
+                           hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot, Out)
+                placed = T.if_then_else(big[0] == 0, 1, 0)
+                if placed == 1:
+                    n_rounds = 0
+                else:
+                    T.sync_threads()                     # the winners' places, cleared again
+                    clear_winners(tx, skey, sidx)
+
+    @T.macro
+    def split_threshold_bin(Logits, row, tx, base_v, n_vit, xv, slot, ctl, cnt, skey, sidx, ckey, cidx,
+                            start: T.Ref, end: T.Ref, key: T.Ref, prefix: T.Ref, pmask: T.Ref, krem: T.Ref,
+                            ncand: T.Ref, from_row: T.Ref, n_rounds: T.Ref):
+        """(A row too short to sample) one pass: the keys above the threshold bin are winners, the bin's keys
+        the candidates; from_row <- 1 where the bin holds more than the buffer. Lanes past the row's end load
+        zeros and carry no key."""
+        krem = krem - ctl[3]
+        for it in T.serial(n_vit):
+            jb = (base_v + it * threads + tx) * vec
+            load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
+            for v in T.unroll(vec):
+                key = _ordered_key(xv[v])
+                append((jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1],
+                       slot)
+                if (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix):
+                    skey[slot[0]] = key ^ FLIP
+                    sidx[slot[0]] = jb + v
+                append((jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix), cnt[0],
+                       slot)
+                if (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix):
+                    if slot[0] < candidates:
+                        ckey[slot[0]] = key
+                        cidx[slot[0]] = jb + v
+        T.sync_threads()
+        ncand = cnt[0]
+        from_row = T.if_then_else(ncand > candidates, 1, 0)
+        n_rounds = 3
+        if from_row == 1:
+            T.sync_threads()
+            if tx == 0:
+                ctl[1] = 0                               # the gather below rewrites every winner
+
+    @T.macro
+    def radix_rounds(Logits, row, tx, n_src, ckey, hist, sv, wsum, ctl, start: T.Ref, from_row: T.Ref,
+                     n_rounds: T.Ref, x: T.Ref, key: T.Ref, krem: T.Ref, bin_: T.Ref, prefix: T.Ref,
+                     pmask: T.Ref):
+        """The other rounds, 8 bits each, on the n_src candidates or (from_row) keys of the row: prefix <- the
+        exact k-th key, krem <- the winners equal to it. After the 12-bit round: bits 19-12, 11-4, 7-0 (the last
+        overlaps the one before: its bits already match); after the sampled bound, all 32 bits."""
+        for rnd in T.serial(n_rounds):
+            shift = T.Cast(T.uint32, T.max(T.if_then_else(n_rounds == 4, 24, 32 - FIRST_BITS - RADIX_BITS)
+                                           - rnd * RADIX_BITS, 0))
+            T.sync_threads()
+            clear_hist(tx, hist, RADIX)
+            T.sync_threads()
+            for it in T.serial(T.ceildiv(n_src, threads)):
+                c = it * threads + tx
+                if c < n_src:
+                    if from_row == 1:
+                        x = Logits[row, start + c]
+                        key = _ordered_key(x)
+                    else:
+                        key = ckey[c]
+                    if (key & pmask) == prefix:
+                        T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
+            radix_pick(tx, hist, sv, wsum, ctl, krem)
+            bin_ = ctl[0]
+            krem = krem - hist[bin_ + 1]
+            prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
+            pmask = pmask | (T.uint32(RADIX - 1) << shift)
+
+    @T.macro
+    def gather_winners(Logits, row, tx, n_src, ckey, cidx, skey, sidx, ctl, slot, start: T.Ref, from_row: T.Ref,
+                       x: T.Ref, key: T.Ref, krem: T.Ref, prefix: T.Ref):
+        """The winners to their places: the keys above the k-th (prefix) after any already there (ctl[1]), then
+        the first krem keys equal to it."""
+        kid = T.alloc_var(T.int32)
+        T.sync_threads()
+        for it in T.serial(T.ceildiv(n_src, threads)):
+            c = it * threads + tx
+            key = T.uint32(0)
+            kid = 0
+            if c < n_src:
+                if from_row == 1:
+                    x = Logits[row, start + c]
+                    key = _ordered_key(x)
+                    kid = start + c
+                else:
+                    key = ckey[c]
+                    kid = cidx[c]
+            append((c < n_src) & (key > prefix), ctl[1], slot)
+            if (c < n_src) & (key > prefix):
+                skey[slot[0]] = key ^ FLIP
+                sidx[slot[0]] = kid
+            append((c < n_src) & (key == prefix), ctl[2], slot)
+            if (c < n_src) & (key == prefix):
+                if slot[0] < krem:
+                    skey[topk - krem + slot[0]] = key ^ FLIP
+                    sidx[topk - krem + slot[0]] = kid
+
+    @T.macro
+    def take_row(Logits, row, tx, n_iter, skey, sidx, start: T.Ref, end: T.Ref, x: T.Ref):
+        """(Rows of at most topk keys) every key is a winner."""
+        T.sync_threads()
+        for it in T.serial(n_iter):
+            j = start + it * threads + tx
+            if j < end:
+                x = Logits[row, j]
+                skey[j - start] = _ordered_key(x) ^ FLIP
+                sidx[j - start] = j
+
+    @T.macro
+    def rank_winners(tx, row, skey, sidx, ckey, cidx, hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot, Out,
+                     placed: T.Ref, do_sort: T.Ref):
+        """(rank_sort) The counting sort orders the winners and writes them, unless the candidates' already
+        wrote the row; do_sort <- 1 where a bucket is skewed (or without rank_sort): the bitonic sort."""
+        do_sort = 1
+        if rank_sort:
+            if placed == 1:
+                do_sort = 0
+            else:
+                rank_place(tx, row, sort_n, skey, sidx, False, ckey, cidx, sort_n, rank_e, rank_b, hist, tsum,
+                           wsum, big, wmx, wmn, bkt, sv, slot, Out)
+                do_sort = big[0]
+
+    def pair(k, i):
+        # a (key, id) as one uint64, key in the high word: ascending = (key, id) ascending
+        return (T.Cast(T.uint64, k) << T.uint64(32)) | T.Cast(T.uint64, T.Cast(T.uint32, i))
+
+    def pair_id(p):
+        # the id of a pair
+        return T.Cast(T.int32, T.Cast(T.uint32, p & T.uint64(0xFFFFFFFF)))
+
+    @T.macro
+    def sort_in_thread(tx, kk, jj, rp, pa: T.Ref, pb: T.Ref):
+        """A bitonic stage whose partner is in the same thread: a compare-exchange of two registers."""
+        if tx < sort_threads:
+            for e in T.unroll(E, explicit=True):
+                if (e & (1 << (kk - jj))) == 0:
+                    pa = rp[e]
+                    pb = rp[e | (1 << (kk - jj))]
+                    if T.if_then_else(((tx * E + e) & (2 << kk)) == 0, pa > pb, pb > pa):
+                        rp[e] = pb
+                        rp[e | (1 << (kk - jj))] = pa
+
+    @T.macro
+    def sort_in_warp(tx, kk, jj, rp, po: T.Ref):
+        """A bitonic stage whose partner is in the same warp: one full-mask shuffle of each pair."""
+        if tx < sort_threads:                # whole warps: full-mask shuffles
+            for e in T.unroll(E, explicit=True):
+                po = T.shfl_xor(rp[e], (1 << (kk - jj)) // E)
+                if T.if_then_else(((tx & ((1 << (kk - jj)) // E)) == 0)
+                                  == (((tx * E + e) & (2 << kk)) == 0), rp[e] > po, po > rp[e]):
+                    rp[e] = po
+
+    @T.macro
+    def sort_across_warps(tx, kk, jj, rp, skey, sidx, po: T.Ref):
+        """A bitonic stage whose partner is in another warp: the pairs through shared memory."""
+        T.sync_threads()
+        if tx < sort_threads:
+            for e in T.unroll(E, explicit=True):
+                skey[tx * E + e] = T.Cast(T.uint32, rp[e] >> T.uint64(32))
+                sidx[tx * E + e] = pair_id(rp[e])
+        T.sync_threads()
+        if tx < sort_threads:
+            for e in T.unroll(E, explicit=True):
+                po = pair(skey[(tx ^ ((1 << (kk - jj)) // E)) * E + e], sidx[(tx ^ ((1 << (kk - jj)) // E)) * E + e])
+                if T.if_then_else(((tx & ((1 << (kk - jj)) // E)) == 0)
+                                  == (((tx * E + e) & (2 << kk)) == 0), rp[e] > po, po > rp[e]):
+                    rp[e] = po
+
+    @T.macro
+    def bitonic_sort(tx, row, skey, sidx, Out, do_sort: T.Ref):
+        """(do_sort) The winners sorted ascending by (skey, sidx) in registers, and the first topk written.
+        Element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread (d < E), the
+        same warp (d < 32 E: a shuffle) or another warp (shared memory)."""
+        rp = T.alloc_local([E], T.uint64)  # this thread's (key, id) pairs
+        pa = T.alloc_var(T.uint64)
+        pb = T.alloc_var(T.uint64)
+        po = T.alloc_var(T.uint64)
+        if do_sort == 0:
+            T.evaluate(0)
+        else:
+            T.sync_threads()
+            if tx < sort_threads:
+                for e in T.unroll(E, explicit=True):
+                    rp[e] = pair(skey[tx * E + e], sidx[tx * E + e])
+            for kk in T.unroll(log_n, explicit=True):
+                for jj in T.unroll(log_n, explicit=True):
+                    if jj <= kk:
+                        if (1 << (kk - jj)) < E:
+                            sort_in_thread(tx, kk, jj, rp, pa, pb)
+                        elif (1 << (kk - jj)) < 32 * E:
+                            sort_in_warp(tx, kk, jj, rp, po)
+                        else:
+                            sort_across_warps(tx, kk, jj, rp, skey, sidx, po)
+            if tx < sort_threads:
+                for e in T.unroll(E, explicit=True):
+                    if tx * E + e < topk:
+                        Out[row, tx * E + e] = T.if_then_else(
+                            (rp[e] & T.uint64(0xFFFFFFFF)) == T.uint64(_INT_MAX), -1, pair_id(rp[e]))
+
     @T.prim_func
     def topk_select(
         Logits: T.Tensor([seq_q, seq_k], T.float32),
@@ -618,7 +1000,7 @@ def build_topk_select(topk: int, *, threads: int = 512, candidates: int = 3072, 
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             hist = T.alloc_shared([hist_n], T.int32)  # becomes suffix sums; hist[RADIX] = 0
-            ctl = T.alloc_shared([4], T.int32)  # 0: threshold bin, 1: #greater, 2: #equal
+            ctl = T.alloc_shared([4], T.int32)  # 0: threshold bin, 1: #greater, 2: #equal, 3: keys above the bin
             skey = T.alloc_shared([sort_buf], T.uint32)  # ~ordered key: ascending = score desc
             sidx = T.alloc_shared([sort_buf], T.int32)
             tsum = T.alloc_shared([threads + 1], T.int32)  # per-thread bin totals, then their suffix sums
@@ -626,12 +1008,6 @@ def build_topk_select(topk: int, *, threads: int = 512, candidates: int = 3072, 
             cidx = T.alloc_shared([candidates], T.int32)  # ... and their key ids
             cnt = T.alloc_shared([1], T.int32)  # how many keys the candidates are
             ncand = T.alloc_var(T.int32)
-            kid = T.alloc_var(T.int32)
-            rp = T.alloc_local([E], T.uint64)  # this thread's (key, id) pairs while sorting
-            pa = T.alloc_var(T.uint64)
-            pb = T.alloc_var(T.uint64)
-            po = T.alloc_var(T.uint64)
-
             sv = T.alloc_local([2], T.int32)                  # a scan's value in this thread, a shuffled one
             wsum = T.alloc_shared([32], T.int32)              # the scans' warp totals
             sampled = T.alloc_var(T.int32)
@@ -644,7 +1020,6 @@ def build_topk_select(topk: int, *, threads: int = 512, candidates: int = 3072, 
             prefix = T.alloc_var(T.uint32)
             pmask = T.alloc_var(T.uint32)
             krem = T.alloc_var(T.int32)
-            val = T.alloc_var(T.int32)
             bin_ = T.alloc_var(T.int32)
             key = T.alloc_var(T.uint32)
             kv = T.alloc_local([1], T.uint32)                 # a sampled key (sampled_histogram)
@@ -658,309 +1033,40 @@ def build_topk_select(topk: int, *, threads: int = 512, candidates: int = 3072, 
                 wmx = T.alloc_shared([32], T.float32)         # the warps' largest finite winner ...
                 wmn = T.alloc_shared([32], T.float32)         # ... and smallest
                 bkt = T.alloc_local([max(rank_e, cand_e)], T.int32)   # this thread's winners' (candidates') buckets
-                tau_f = T.alloc_var(T.float32)
+            else:
+                big = wmx = wmn = bkt = None                  # the counting sort's: unused
 
-            start = T.max(Starts[row], 0)
-            end = T.min(Ends[row], seq_k)
-            prefix = T.uint32(0)
-            pmask = T.uint32(0)
-            krem = topk
-            placed = 0
-            n_valid = end - start
-            n_iter = T.ceildiv(T.max(n_valid, 0), threads)                # the row's keys a thread
-            base_v = start // vec                                        # the row's first vector
-            n_vit = T.ceildiv(T.max(end - base_v * vec, 0), threads * vec)
-            # sampled vectors: groups of `sample_group` adjacent ones, one group in every `sample` groups
-            n_sv = T.ceildiv(T.ceildiv(T.max(end - base_v * vec, 0), vec), sample * sample_group) * sample_group
-
-            for it in T.serial(T.ceildiv(sort_n, threads)):
-                p = it * threads + tx
-                if p < sort_n:
-                    skey[p] = FLIP
-                    sidx[p] = _INT_MAX
-            if tx < 4:
-                ctl[tx] = 0
-            if tx == 0:
-                cnt[0] = 0
-
+            n_valid, n_iter, base_v, n_vit, n_sv = init_row(row, tx, Starts, Ends, skey, sidx, ctl, cnt, start, end,
+                                                            prefix, pmask, krem, placed)
             if n_valid > topk:
-                # round 0: the threshold bin of the top 12 bits (sign, exponent, 3 mantissa bits; 8 bits would
-                # span a factor of 4 in score and put up to half a long row in one bin), over the row, or over
-                # the sample of a long row
-                T.sync_threads()
-                for it in T.serial(T.ceildiv(FIRST_BINS + 1, threads)):
-                    p = it * threads + tx
-                    if p <= FIRST_BINS:
-                        hist[p] = 0
-                sampled = 0
-                if n_valid >= sample_min:
-                    sampled = 1
-                want = topk
-                T.sync_threads()
+                first_histogram(Logits, row, tx, n_valid, base_v, n_vit, n_sv, xv, kv, hist, start, end, prefix,
+                                pmask, key, sampled, want)
+                first_threshold(tx, n_valid, hist, tsum, wsum, sv, ctl, sampled, want, bin_, prefix, pmask)
                 if sampled == 1:
-                    sampled_histogram(Logits, row, tx, n_sv, base_v, start, end, xv, kv, hist, prefix, pmask, False)
+                    sampled_bound(Logits, row, tx, base_v, n_sv, xv, kv, hist, sv, wsum, ctl, start, end, prefix,
+                                  pmask, want, tau)
+                    collect_above_bound(Logits, row, tx, base_v, n_vit, xv, slot, cnt, ckey, cidx, start, end, key,
+                                        tau, ncand, from_row, prefix, pmask, n_rounds)
+                    rank_candidates(tx, row, ckey, cidx, skey, sidx, hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot,
+                                    Out, ncand, from_row, placed, n_rounds)
                 else:
-                    for it in T.serial(n_vit):
-                        jb = (base_v + it * threads + tx) * vec
-                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, False)
-                        for v in T.unroll(vec):
-                            if (jb + v >= start) & (jb + v < end):
-                                key = _ordered_key(xv[v])
-                                T.atomic_add(hist[T.Cast(T.int32, key >> T.uint32(32 - FIRST_BITS))], 1)
-                T.sync_threads()
-                # suffix sums: each thread owns `per` consecutive bins; scan the threads' totals
-                sv[0] = 0
-                for i in T.serial(per):
-                    sv[0] = sv[0] + hist[tx * per + i]
-                suffix_scan(tx, sv, tsum, wsum, threads)
-                if sampled == 1:
-                    # the sample's rank that bounds the row's top-k from below: its expected share of the top-k,
-                    # plus four standard deviations and a few (a row where it does not falls back below)
-                    mu = T.Cast(T.float32, topk) * T.Cast(T.float32, tsum[0]) / T.Cast(T.float32, n_valid)
-                    want = T.min(T.Cast(T.int32, mu + 4.0 * T.sqrt(mu)) + 8, tsum[0])
-                val = tsum[tx + 1]                                   # keys in bins above this thread's
-                for i in T.serial(per):
-                    bin_ = tx * per + per - 1 - i
-                    if val < want and val + hist[bin_] >= want:
-                        ctl[0] = bin_
-                        ctl[3] = val                                 # keys strictly above the bin
-                    val = val + hist[bin_]
-                T.sync_threads()
-                bin_ = ctl[0]
-                prefix = T.Cast(T.uint32, bin_) << T.uint32(32 - FIRST_BITS)
-                pmask = T.uint32((FIRST_BINS - 1) << (32 - FIRST_BITS))
-                if sampled == 1:
-                    # round 0 again on the sample, on the next 8 bits of the threshold bin's keys: a 20-bit lower
-                    # bound `tau` on the row's k-th largest key. One pass then keeps every key >= tau (about
-                    # want * sample of them) in shared memory as the candidates.
-                    want = want - ctl[3]
-                    T.sync_threads()
-                    for it in T.serial(T.ceildiv(RADIX + 1, threads)):
-                        p = it * threads + tx
-                        if p <= RADIX:
-                            hist[p] = 0
-                    T.sync_threads()
-                    sampled_histogram(Logits, row, tx, n_sv, base_v, start, end, xv, kv, hist, prefix, pmask, True)
-                    radix_suffix(tx, hist, sv, wsum)
-                    if tx < RADIX:
-                        if hist[tx] >= want and hist[tx + 1] < want:
-                            ctl[0] = tx
-                    T.sync_threads()
-                    tau = prefix | (T.Cast(T.uint32, ctl[0]) << T.uint32(32 - FIRST_BITS - RADIX_BITS))
-                    if rank_sort:
-                        # the candidates: every key >= tau, compared as floats (x >= tau_f; at the bottom, the bin
-                        # of -inf: every finite x) where the vector lies inside the row
-                        tau_f = T.if_then_else(tau <= T.uint32(0x007FFFFF), -T.infinity(T.float32),
-                                               _from_ordered_key(tau))
-                        for it in T.serial(T.ceildiv(n_vit, unroll)):
-                            for u in T.unroll(unroll):
-                                load_trip(Logits, row, base_v + (it * unroll + u) * threads + tx, end, xv, False,
-                                          u * vec)
-                            for u in T.unroll(unroll):
-                                jb = (base_v + (it * unroll + u) * threads + tx) * vec
-                                if (jb >= start) & (jb + vec <= end):        # the vector inside the row
-                                    for v in T.unroll(vec):
-                                        if xv[u * vec + v] >= tau_f:
-                                            slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
-                                            if slot[0] < candidates:
-                                                ckey[slot[0]] = _ordered_key(xv[u * vec + v])
-                                                cidx[slot[0]] = jb + v
-                                else:
-                                    for v in T.unroll(vec):
-                                        key = _ordered_key(xv[u * vec + v])
-                                        if (jb + v >= start) & (jb + v < end) & (key >= tau):
-                                            slot[0] = T.atomic_add(cnt[0], 1, return_prev=True)
-                                            if slot[0] < candidates:
-                                                ckey[slot[0]] = key
-                                                cidx[slot[0]] = jb + v
-                    else:
-                        for it in T.serial(n_vit):
-                            jb = (base_v + it * threads + tx) * vec
-                            load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
-                            for v in T.unroll(vec):
-                                key = _ordered_key(xv[v])
-                                append((jb + v >= start) & (jb + v < end) & (key >= tau), cnt[0], slot)
-                                if (jb + v >= start) & (jb + v < end) & (key >= tau):
-                                    if slot[0] < candidates:
-                                        ckey[slot[0]] = key
-                                        cidx[slot[0]] = jb + v
-                    T.sync_threads()
-                    ncand = cnt[0]
-                    from_row = T.if_then_else((ncand < topk) | (ncand > candidates), 1, 0)  # the bound missed: the row
-                    prefix = T.uint32(0)
-                    pmask = T.uint32(0)
-                    n_rounds = 4
-                    if direct_rank:
-                        if from_row == 0:
-                            # every key >= tau is a candidate and there are >= topk of them: their own ranks are the
-                            # row's; ranked in place, or (a bucket over RANK_MAX) through the rounds below
-                            rank_place(tx, row, ncand, ckey, cidx, True, skey, sidx, cand_b, cand_e, cand_b // threads,
-                                       hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot, Out)
-                            placed = T.if_then_else(big[0] == 0, 1, 0)
-                            if placed == 1:
-                                n_rounds = 0
-                            else:
-                                T.sync_threads()                     # the winners' places, cleared again
-                                for it in T.serial(T.ceildiv(sort_n, threads)):
-                                    if it * threads + tx < sort_n:
-                                        skey[it * threads + tx] = FLIP
-                                        sidx[it * threads + tx] = _INT_MAX
-                else:
-                    krem = krem - ctl[3]
-                    # one pass: keys above the bin are winners; the bin's keys are the candidates. Lanes past the
-                    # row's end load zeros and carry no key.
-                    for it in T.serial(n_vit):
-                        jb = (base_v + it * threads + tx) * vec
-                        load_trip(Logits, row, base_v + it * threads + tx, end, xv, True)
-                        for v in T.unroll(vec):
-                            key = _ordered_key(xv[v])
-                            append((jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix), ctl[1],
-                                   slot)
-                            if (jb + v >= start) & (jb + v < end) & ((key & pmask) > prefix):
-                                skey[slot[0]] = key ^ FLIP
-                                sidx[slot[0]] = jb + v
-                            append((jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix), cnt[0],
-                                   slot)
-                            if (jb + v >= start) & (jb + v < end) & ((key & pmask) == prefix):
-                                if slot[0] < candidates:
-                                    ckey[slot[0]] = key
-                                    cidx[slot[0]] = jb + v
-                    T.sync_threads()
-                    ncand = cnt[0]
-                    from_row = T.if_then_else(ncand > candidates, 1, 0)
-                    n_rounds = 3
-                    if from_row == 1:
-                        T.sync_threads()
-                        if tx == 0:
-                            ctl[1] = 0                               # the gather below rewrites every winner
-                # the other rounds and the gather: on the candidates in shared memory, or on the row when they
-                # did not fit (one code path: the source is chosen per CTA, not per element). After the 12-bit
-                # round: bits 19-12, 11-4, 7-0 (the last overlaps the one before: its bits already match).
+                    split_threshold_bin(Logits, row, tx, base_v, n_vit, xv, slot, ctl, cnt, skey, sidx, ckey, cidx,
+                                        start, end, key, prefix, pmask, krem, ncand, from_row, n_rounds)
+                # the rounds and the gather: on the candidates in shared memory, or on the row when they did not
+                # fit (one code path: the source is chosen per CTA, not per element)
                 n_src = T.if_then_else(placed == 1, 0, T.if_then_else(from_row == 1, n_valid, ncand))
-                for rnd in T.serial(n_rounds):
-                    shift = T.Cast(T.uint32, T.max(T.if_then_else(n_rounds == 4, 24, 32 - FIRST_BITS - RADIX_BITS)
-                                                   - rnd * RADIX_BITS, 0))
-                    T.sync_threads()
-                    for it in T.serial(T.ceildiv(RADIX + 1, threads)):
-                        p = it * threads + tx
-                        if p <= RADIX:
-                            hist[p] = 0
-                    T.sync_threads()
-                    for it in T.serial(T.ceildiv(n_src, threads)):
-                        c = it * threads + tx
-                        if c < n_src:
-                            if from_row == 1:
-                                x = Logits[row, start + c]
-                                key = _ordered_key(x)
-                            else:
-                                key = ckey[c]
-                            if (key & pmask) == prefix:
-                                T.atomic_add(hist[T.Cast(T.int32, (key >> shift) & T.uint32(RADIX - 1))], 1)
-                    radix_suffix(tx, hist, sv, wsum)
-                    if tx < RADIX:
-                        if hist[tx] >= krem and hist[tx + 1] < krem:
-                            ctl[0] = tx
-                    T.sync_threads()
-                    bin_ = ctl[0]
-                    krem = krem - hist[bin_ + 1]
-                    prefix = prefix | (T.Cast(T.uint32, bin_) << shift)
-                    pmask = pmask | (T.uint32(RADIX - 1) << shift)
-                T.sync_threads()
-                for it in T.serial(T.ceildiv(n_src, threads)):
-                    c = it * threads + tx
-                    key = T.uint32(0)
-                    kid = 0
-                    if c < n_src:
-                        if from_row == 1:
-                            x = Logits[row, start + c]
-                            key = _ordered_key(x)
-                            kid = start + c
-                        else:
-                            key = ckey[c]
-                            kid = cidx[c]
-                    append((c < n_src) & (key > prefix), ctl[1], slot)
-                    if (c < n_src) & (key > prefix):
-                        skey[slot[0]] = key ^ FLIP
-                        sidx[slot[0]] = kid
-                    append((c < n_src) & (key == prefix), ctl[2], slot)
-                    if (c < n_src) & (key == prefix):
-                        if slot[0] < krem:
-                            skey[topk - krem + slot[0]] = key ^ FLIP
-                            sidx[topk - krem + slot[0]] = kid
+                radix_rounds(Logits, row, tx, n_src, ckey, hist, sv, wsum, ctl, start, from_row, n_rounds, x, key,
+                             krem, bin_, prefix, pmask)
+                gather_winners(Logits, row, tx, n_src, ckey, cidx, skey, sidx, ctl, slot, start, from_row, x, key,
+                               krem, prefix)
             else:
-                # rows of at most topk keys: every key is a winner
-                T.sync_threads()
-                for it in T.serial(n_iter):
-                    j = start + it * threads + tx
-                    if j < end:
-                        x = Logits[row, j]
-                        skey[j - start] = _ordered_key(x) ^ FLIP
-                        sidx[j - start] = j
-
+                take_row(Logits, row, tx, n_iter, skey, sidx, start, end, x)
             # order the winners: the counting sort, or the bitonic sort where its buckets are skewed
-            do_sort = 1
-            if rank_sort:
-                if placed == 1:
-                    do_sort = 0
-                else:
-                    rank_place(tx, row, sort_n, skey, sidx, False, ckey, cidx, sort_n, rank_e, rank_b, hist, tsum,
-                               wsum, big, wmx, wmn, bkt, sv, slot, Out)
-                    do_sort = big[0]
-            # bitonic sort ascending by (skey, sidx)
-            if do_sort == 0:
-                T.evaluate(0)
-            else:
-                # element i = tx * E + e lives in register e of thread tx; partner i ^ d is in the same thread
-                # (d < E), the same warp (d < 32 E: a shuffle) or another warp (shared memory). Each (key, id)
-                # is one uint64 (key in the high word): one 64-bit compare and one shuffle of it per exchange
-                T.sync_threads()
-                if tx < sort_threads:
-                    for e in T.unroll(E, explicit=True):
-                        rp[e] = (T.Cast(T.uint64, skey[tx * E + e]) << T.uint64(32)) | T.Cast(
-                            T.uint64, T.Cast(T.uint32, sidx[tx * E + e]))
-                for kk in T.unroll(log_n, explicit=True):
-                    for jj in T.unroll(log_n, explicit=True):
-                        if jj <= kk:
-                            if (1 << (kk - jj)) < E:
-                                if tx < sort_threads:
-                                    for e in T.unroll(E, explicit=True):
-                                        if (e & (1 << (kk - jj))) == 0:
-                                            pa = rp[e]
-                                            pb = rp[e | (1 << (kk - jj))]
-                                            if T.if_then_else(((tx * E + e) & (2 << kk)) == 0, pa > pb, pb > pa):
-                                                rp[e] = pb
-                                                rp[e | (1 << (kk - jj))] = pa
-                            elif (1 << (kk - jj)) < 32 * E:
-                                if tx < sort_threads:                # whole warps: full-mask shuffles
-                                    for e in T.unroll(E, explicit=True):
-                                        po = T.shfl_xor(rp[e], (1 << (kk - jj)) // E)
-                                        if T.if_then_else(((tx & ((1 << (kk - jj)) // E)) == 0)
-                                                          == (((tx * E + e) & (2 << kk)) == 0), rp[e] > po, po > rp[e]):
-                                            rp[e] = po
-                            else:
-                                T.sync_threads()
-                                if tx < sort_threads:
-                                    for e in T.unroll(E, explicit=True):
-                                        skey[tx * E + e] = T.Cast(T.uint32, rp[e] >> T.uint64(32))
-                                        sidx[tx * E + e] = T.Cast(T.int32, T.Cast(T.uint32, rp[e] & T.uint64(0xFFFFFFFF)))
-                                T.sync_threads()
-                                if tx < sort_threads:
-                                    for e in T.unroll(E, explicit=True):
-                                        po = (T.Cast(T.uint64, skey[(tx ^ ((1 << (kk - jj)) // E)) * E + e])
-                                              << T.uint64(32)) | T.Cast(T.uint64, T.Cast(
-                                                  T.uint32, sidx[(tx ^ ((1 << (kk - jj)) // E)) * E + e]))
-                                        if T.if_then_else(((tx & ((1 << (kk - jj)) // E)) == 0)
-                                                          == (((tx * E + e) & (2 << kk)) == 0), rp[e] > po, po > rp[e]):
-                                            rp[e] = po
-                if tx < sort_threads:
-                    for e in T.unroll(E, explicit=True):
-                        if tx * E + e < topk:
-                            Out[row, tx * E + e] = T.if_then_else(
-                                (rp[e] & T.uint64(0xFFFFFFFF)) == T.uint64(_INT_MAX), -1,
-                                T.Cast(T.int32, T.Cast(T.uint32, rp[e] & T.uint64(0xFFFFFFFF))))
+            rank_winners(tx, row, skey, sidx, ckey, cidx, hist, tsum, wsum, big, wmx, wmn, bkt, sv, slot, Out,
+                         placed, do_sort)
+            bitonic_sort(tx, row, skey, sidx, Out, do_sort)
 
     return topk_select
-
 
 
 # The select kernel places every barrier itself (the automatic pass would add one per loop trip).
@@ -978,6 +1084,10 @@ _LOGITS_PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True
 
 
 _IN_DTYPES = {torch.bfloat16: T.bfloat16, torch.float8_e4m3fn: T.float8_e4m3fn}
+# Head counts the logits kernel is built for: a block of 128 // heads queries fills the 128 rows of one
+# wgmma tile. Fewer than 8 heads (16+ queries a block) select wrong keys on the H200, so they run the
+# reference kernel.
+KERNEL_HEADS = frozenset({8, 16, 32, 64, 128})
 
 
 @functools.lru_cache(maxsize=None)
@@ -1067,6 +1177,11 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
                   f"{q.dtype} / {k.dtype} inputs run the PyTorch reference kernel (slower) instead")
         return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale, k_scale)
     S, H, D = q.shape
+    if H not in KERNEL_HEADS:
+        warn_once(f"glm52::dsa_topk_indices:heads{H}",
+                  f"glm52::dsa_topk_indices: the TileLang logits kernel takes {sorted(KERNEL_HEADS)} indexer heads; "
+                  f"{H} heads run the PyTorch reference kernel (slower) instead")
+        return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale, k_scale)
     Sk = k.shape[0]
     dev = q.device
     out = torch.empty(S, topk, dtype=torch.int32, device=dev)

@@ -716,17 +716,16 @@ FWD_BLOCK_I = 64
 # Forward kernel for 64 padded heads (GLM-5.2's), read at every call (a benchmark may patch it):
 # "serial" = build_sparse_mla_fwd, "pipelined" = build_sparse_mla_fwd_ws (warp-specialised). Other
 # head counts (and d_v not a multiple of 128) always run the serial kernel. H200, 64 heads, S=16K, top-k
-# 2048 (bench_kernels.py): 10.29 ms / 454 TFLOP/s pipelined against 14.91 ms / 313 serial (docs/kernels.md;
-# benchmarks/results/sparse_mla_64heads_16k_h200.json: pipelined 10.25 ms / 456); both pass
-# tests/gpu/test_sparse_mla_cuda.py.
+# 2048: pipelined 10.16 ms / 460 TFLOP/s (benchmarks/results/sparse_mla_16k_h200.json) against 14.91 ms / 313
+# serial (docs/kernels.md); both pass tests/gpu/test_sparse_mla_cuda.py.
 FWD_KERNEL = "pipelined"
 
 
 # Backward kernel for 64 padded heads, read at every call like FWD_KERNEL: "serial" =
 # build_sparse_mla_bwd, "pipelined" = build_sparse_mla_bwd_ws (warp-specialised; d_v a multiple of 256,
 # topk padded to a multiple of 2 * BWD_WS_BLOCK_I). Other head counts always run the serial kernel.
-# H200, 64 heads, S=16K, top-k 2048: pipelined 53.3 ms / 222 TFLOP/s, serial 72.7 ms / 163
-# (benchmarks/results/sparse_mla_64heads_16k_h200.json). Both pass the GPU tests.
+# H200, 64 heads, S=16K, top-k 2048: pipelined 52.8 ms / 224 TFLOP/s, serial 71.7 ms / 165
+# (benchmarks/results/sparse_mla_16k_h200.json). Both pass the GPU tests.
 BWD_KERNEL = "pipelined"
 BWD_WS_BLOCK_I = 32
 BWD_WS_CHUNK = 64       # latent columns per shared piece of Q / dO / KV
