@@ -1,15 +1,20 @@
-"""Normalised graph text: the forward and backward graphs of a partition, printed the same way on every run.
+"""Normalised graph text: the forward and backward graphs of a partition, printed so that only a change of the
+graphs themselves changes the text, on every run and every supported torch release.
 
-Built on PyTorch's own printers: ``GraphModule.print_readable`` prints each graph, and
-``torch._dynamo.testing.normalize_gm`` strips its comments (file paths, line numbers, process-global
-``ac_graph_id``s) and trailing blanks. On top of that, :func:`graph_text`
+:func:`normalized_graph` prints one line per node with its own printer (not ``print_readable``, whose layout,
+node names and op spellings differ between torch releases):
 
-- abstracts devices (``device(type='cuda', index=0)`` -> ``device(type='DEVICE')``) and addresses,
-- renames hash-derived size symbols by first appearance (``s77`` -> ``s0``, ``u12`` -> ``u0``),
-- marks every node the partition tagged MUST_SAVE / MUST_RECOMPUTE, with region ids renumbered from 0,
-- appends the saved-set table of the :class:`~sacpass.report.Report` (source file names, no paths or lines).
+- nodes are named by :class:`CanonicalNames`: a call's name is its op's, counted in graph order (``mm``,
+  ``mm_1``), graph inputs keep AOTAutograd's positional names, and the backward's saved inputs their
+  forward names (torch's own names carry process-wide counters: ``mul_88`` on one release, ``mul_10`` on the next);
+- ops are spelled ``aten.mm.default`` (:func:`op_name`), values ``f32[24, 32]``, without strides;
+- devices (``device('DEVICE')``) and addresses are abstracted, and deletion notes (``x = None``) dropped;
+- size symbols are renamed by first appearance (``s77`` -> ``s0``, ``u12`` -> ``u0``);
+- every node the partition tagged MUST_SAVE / MUST_RECOMPUTE is marked, with region ids renumbered from 0.
 
-The result is what golden tests compare (:func:`sacpass.testing.assert_graphs_match`).
+:func:`graph_text` adds the saved-set table of the :class:`~sacpass.report.Report` (node names as in the graphs,
+source file names without paths or lines). It is what golden tests compare
+(:func:`sacpass.testing.assert_graphs_match`).
 """
 from __future__ import annotations
 
@@ -23,12 +28,12 @@ from .nodes import tag_name
 from .report import Report, saved_table as _saved_rows
 
 __all__ = ["readable", "normalized_graph", "saved_table", "graph_text", "report_text", "stable_symbols", "SymbolRenamer",
+           "CanonicalNames", "op_name",
            "module_of_source"]
 
 _DEVICE = re.compile(r"device\(type='[A-Za-z0-9_]+'(?:, index=\d+)?\)")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
 _SYMBOL = re.compile(r"(?<![A-Za-z0-9_])([su])(\d+)(?![A-Za-z0-9_\[])")  # not a dtype like "u8[4]"
-_NODE_LINE = re.compile(r"^(\s+)([A-Za-z_][A-Za-z0-9_]*)(?::| =)")
 _SOURCE_LINE = re.compile(r":\d+$")
 
 
@@ -45,27 +50,147 @@ def _tag_of(node: torch.fx.Node) -> str | None:
     return name if name in _PRINTED_TAGS else None
 
 
-def normalized_graph(gm: torch.fx.GraphModule, region_ids: dict[Any, int] | None = None) -> str:
-    """One graph as stable text: ``print_readable`` -> ``normalize_gm``, devices and addresses abstracted,
-    MUST_SAVE / MUST_RECOMPUTE nodes marked ``# MUST_SAVE (region N)``. ``region_ids`` maps raw
-    ``ac_graph_id``s to renumbered ones and is filled in first-appearance order (share it across graphs)."""
-    from torch._dynamo.testing import normalize_gm  # Dynamo only when graphs are printed
+class CanonicalNames:
+    """Node names that no torch release changes: a call's name is its op's (``aten.mm.default`` -> ``mm``,
+    then ``mm_1``, ...) counted in graph order; graph inputs keep AOTAutograd's positional names (``primals_3``,
+    ``tangents_1``); a backward input that the forward saved takes that value's forward name. One object
+    names a forward and then its backward, so the two never reuse a name, and maps the raw names a report
+    lists (:meth:`__call__`)."""
 
+    def __init__(self):
+        self.raw: dict[str, str] = {}         # torch's node name -> canonical, forward first
+        self._used: set[str] = set()
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 0
+        while name in self._used:
+            i += 1
+            name = f"{base}_{i}"
+        self._used.add(name)
+        return name
+
+    def name_graph(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+        names: dict[torch.fx.Node, str] = {}
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and node.name in self.raw:
+                names[node] = self.raw[node.name]
+                continue
+            if node.op == "placeholder" and _POSITIONAL.match(node.name):
+                name = node.name
+                self._used.add(name)
+            elif node.op == "output":
+                continue
+            else:
+                name = self.fresh(_base_name(node))
+            names[node] = name
+            self.raw.setdefault(node.name, name)
+        return names
+
+    def __call__(self, raw: str) -> str:
+        return self.raw.get(raw, raw)
+
+
+_POSITIONAL = re.compile(r"^(primals|tangents|arg\d+|args|bwd_seed|bwd_base_offset|fwd_seed|fwd_base_offset)"
+                         r"(_\d+)*$")
+_TRAILING_COUNT = re.compile(r"(_\d+)+$")
+
+
+def op_name(target) -> str:
+    """``aten.mm.default`` / ``glm52.fp8_quantize.default`` for an OpOverload, ``higher_order.<name>`` for a
+    higher-order op, ``operator.getitem`` for a Python function: one spelling on every torch."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    module = {"_operator": "operator", "builtins": ""}.get(module, module)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    return f"{module}.{name}" if module else name
+
+
+def _base_name(node: torch.fx.Node) -> str:
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return target._opname.lstrip("_") or "op"
+        return op_name(target).rsplit(".", 1)[-1].lstrip("_") or "op"
+    return _TRAILING_COUNT.sub("", node.name) or node.op
+
+
+_DTYPE_ABBR = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+               torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+               torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+               torch.float8_e4m3fn: "f8e4m3fn", torch.float8_e5m2: "f8e5m2"}
+
+
+def _value_type(val) -> str | None:
+    if isinstance(val, torch.Tensor):
+        dtype = _DTYPE_ABBR.get(val.dtype, str(val.dtype).removeprefix("torch."))
+        return f"{dtype}[{', '.join(str(d) for d in val.shape)}]"
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"Sym({val})"
+    if isinstance(val, (int, float, bool)):
+        return type(val).__name__
+    if isinstance(val, (list, tuple)):
+        parts = [_value_type(v) for v in val]
+        return "(" + ", ".join(p or "?" for p in parts) + ("," if len(parts) == 1 else "") + ")"
+    return None
+
+
+def _arg(a, names: dict) -> str:
+    if isinstance(a, torch.fx.Node):
+        return names.get(a, a.name)
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg(x, names) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k!r}: {_arg(v, names)}" for k, v in a.items()) + "}"
+    if isinstance(a, torch.device):
+        return "device('DEVICE')"
+    if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(a)
+    if isinstance(a, float):
+        return repr(a)
+    if isinstance(a, torch.fx.GraphModule) or callable(a) and not isinstance(a, type):
+        return op_name(a)
+    return repr(a)
+
+
+def normalized_graph(gm: torch.fx.GraphModule, region_ids: dict[Any, int] | None = None,
+                     names: CanonicalNames | None = None) -> str:
+    """One graph as text that only a change of the graph itself changes: one line per node, named by
+    :class:`CanonicalNames`, ops spelled by :func:`op_name`, values as ``dtype[shape]``, devices and addresses
+    abstracted, no deletion notes; MUST_SAVE / MUST_RECOMPUTE / MUST_CPU_OFFLOAD nodes marked
+    ``# MUST_SAVE (region N)``. ``region_ids`` maps raw ``ac_graph_id``s to renumbered ones, filled in
+    first-appearance order (share it, and ``names``, across a forward and its backward)."""
     region_ids = {} if region_ids is None else region_ids
-    nodes = {n.name: n for n in gm.graph.nodes}
+    names = CanonicalNames() if names is None else names
+    canon = names.name_graph(gm)
     lines = []
-    for line in normalize_gm(readable(gm)).splitlines():
-        m = _NODE_LINE.match(line)
-        node = nodes.get(m.group(2)) if m else None
-        if node is not None and node.op != "placeholder":
-            tag = _tag_of(node)
-            if tag is not None:
-                raw = node.meta.get("ac_graph_id")
-                region = region_ids.setdefault(raw, len(region_ids)) if raw is not None else None
-                line += f"  # {tag}" + (f" (region {region})" if region is not None else "")
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            lines.append(f"return {_arg(node.args[0], canon)}")
+            continue
+        kind = _value_type(node.meta.get("val"))
+        head = f"{canon[node]}: \"{kind}\"" if kind else canon[node]
+        if node.op == "placeholder":
+            lines.append(f"{head} = input")
+            continue
+        if node.op == "get_attr":
+            lines.append(f"{head} = self.{node.target}")
+            continue
+        args = [_arg(a, canon) for a in node.args] + [f"{k}={_arg(v, canon)}" for k, v in node.kwargs.items()]
+        line = f"{head} = {op_name(node.target)}({', '.join(args)})"
+        tag = _tag_of(node)
+        if tag is not None:
+            raw = node.meta.get("ac_graph_id")
+            region = region_ids.setdefault(raw, len(region_ids)) if raw is not None else None
+            line += f"  # {tag}" + (f" (region {region})" if region is not None else "")
         lines.append(line)
-    text = "\n".join(lines).strip("\n") + "\n"
-    text = _DEVICE.sub("device(type='DEVICE')", text)
+    text = "\n".join(lines) + "\n"
+    text = _DEVICE.sub("device('DEVICE')", text)
     return _ADDRESS.sub("0xADDR", text)
 
 
@@ -74,23 +199,25 @@ def module_of_source(source: str) -> str:
     return _SOURCE_LINE.sub("", source)
 
 
-def saved_table(report: Report, symbols: "SymbolRenamer | None" = None) -> str:
-    """The saved set as a stable table (the report's own rows, shapes through ``symbols``, file names
-    without line numbers), then recomputed ops, tags and planner decisions."""
+def saved_table(report: Report, symbols: "SymbolRenamer | None" = None,
+                names: "CanonicalNames | None" = None) -> str:
+    """The saved set as a stable table (the report's own rows, shapes through ``symbols``, node names through
+    ``names``, file names without line numbers), then recomputed ops, tags and planner decisions."""
     symbols = symbols or SymbolRenamer()
-    lines = _saved_rows(report, shape=symbols, source=module_of_source, source_header="file")
+    names = names or (lambda raw: raw)
+    lines = _saved_rows(report, shape=symbols, name=names, source=module_of_source, source_header="file")
     lines.append("# recomputed in backward")
     lines.extend(f"{op} x{n}" for op, n in sorted(report.recomputed.items()))
     if not report.recomputed:
         lines.append("none")
     lines.append("# tagged")
     for t in report.tagged:
-        lines.append(f"{t['tag']} {t['name']} {t['op']} <- {t['selector']} ({t['module'] or '<root>'})")
+        lines.append(f"{t['tag']} {names(t['name'])} {t['op']} <- {t['selector']} ({t['module'] or '<root>'})")
     if not report.tagged:
         lines.append("none")
     if report.decisions:
         lines.append("# planned")
-        lines.extend(f"{d.action} {d.name} {d.op} {d.bytes}" for d in report.decisions)
+        lines.extend(f"{d.action} {names(d.name)} {d.op} {d.bytes}" for d in report.decisions)
     if report.unmatched:
         lines.append("# unmatched selectors")
         lines.extend(report.unmatched)
@@ -137,9 +264,9 @@ def graph_text(result, *, region_ids: dict[Any, int] | None = None) -> str:
     """The golden text of one compiled graph (a ``PartitionResult``): ``# forward``, ``# backward`` and
     ``# saved`` sections, deterministic across runs and test order."""
     region_ids = {} if region_ids is None else region_ids
-    report, symbols = result.report, SymbolRenamer()
-    forward = symbols(normalized_graph(result.forward, region_ids))
-    backward = symbols(normalized_graph(result.backward, region_ids))
+    report, symbols, names = result.report, SymbolRenamer(), CanonicalNames()
+    forward = symbols(normalized_graph(result.forward, region_ids, names))
+    backward = symbols(normalized_graph(result.backward, region_ids, names))
     parts = [f"# graph {report.graph}", f"policy: {report.policy}", "# forward", forward.rstrip("\n"),
-             "# backward", backward.rstrip("\n"), "# saved", saved_table(report, symbols).rstrip("\n")]
+             "# backward", backward.rstrip("\n"), "# saved", saved_table(report, symbols, names).rstrip("\n")]
     return "\n".join(parts) + "\n"

@@ -65,7 +65,8 @@ def graph_view(result) -> dict[str, Any]:
     saved = {s.name: (s.bytes, s.reason) for s in report.saved}
     tagged = {t["name"]: (t["tag"], t["selector"]) for t in report.tagged
               if t["tag"] in ("MUST_SAVE", "MUST_CPU_OFFLOAD")}
-    recomputed = recomputed_names(result.forward, result.backward)
+    pairs = recomputed_names(result.forward, result.backward)
+    recomputed = set(pairs) | set(pairs.values())      # the backward's copies and the forward nodes they repeat
     return {"kind": "sacpass.graph_view", "version": VIEW_VERSION, **_report_part(report),
             "forward": _nodes(result.forward, saved, tagged, recomputed, "forward"),
             "backward": _nodes(result.backward, saved, tagged, recomputed, "backward")}

@@ -225,12 +225,51 @@ def backward_part(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return part
 
 
-def recomputed_names(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> set[str]:
-    """Names of forward ops the backward runs again: call_function nodes present in both graphs (the
-    partitioner keeps joint-graph names), not counting the getitems that unpack a recomputed op."""
-    fw = {n.name for n in forward.graph.nodes if n.op == "call_function"}
-    return {n.name for n in backward.graph.nodes
-            if n.op == "call_function" and n.name in fw and not is_getitem(n)}
+def recomputed_names(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> dict[str, str]:
+    """The forward ops the backward runs again, as {backward node name: forward node name}; the getitems that
+    unpack a recomputed op are not counted.
+
+    A backward call recomputes a forward one when it has the forward node's name (the partitioner keeps
+    joint-graph names) or when it is the same op on the same values: its inputs are graph inputs or saved
+    values of the forward (matched by name) or are themselves recomputes. The second rule does not depend on
+    names, which some torch releases give anew to the backward's copy."""
+    fw_names = {n.name for n in forward.graph.nodes if n.op in ("placeholder", "call_function")}
+    by_key: dict = {}
+    for n in forward.graph.nodes:
+        if n.op == "call_function":
+            by_key.setdefault(_call_key(n, lambda a: a.name), n.name)
+    same: dict[torch.fx.Node, str] = {}
+    for n in backward.graph.nodes:
+        if n.op == "placeholder" and n.name in fw_names:
+            same[n] = n.name
+        elif n.op == "call_function":
+            if n.name in fw_names:
+                same[n] = n.name
+                continue
+            try:
+                key = _call_key(n, lambda a: same[a])
+            except KeyError:        # an input the forward never had: a backward value
+                continue
+            if key in by_key:
+                same[n] = by_key[key]
+    return {n.name: fw for n, fw in same.items() if n.op == "call_function" and not is_getitem(n)}
+
+
+def _call_key(node: torch.fx.Node, name_of) -> tuple:
+    """(op, args, kwargs) of a call, its node inputs given by ``name_of``: equal keys compute the same value."""
+    def norm(a):
+        if isinstance(a, torch.fx.Node):
+            return ("node", name_of(a))
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(norm(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple(sorted((k, norm(v)) for k, v in a.items())))
+        try:
+            hash(a)
+        except TypeError:
+            return ("repr", repr(a))
+        return ("const", type(a).__name__, a)
+    return (node.target, norm(tuple(node.args)), norm(dict(node.kwargs)))
 
 
 # --------------------------------------------------------------------------------------- snapshots

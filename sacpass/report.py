@@ -202,12 +202,14 @@ def format_bytes(n: float) -> str:
 
 
 def saved_table(report: Report, *, shape: Callable[[str], str] = str, source: Callable[[str], str] = str,
-                source_header: str = "source", total_label: str = "total") -> list[str]:
+                name: Callable[[str], str] = str, source_header: str = "source",
+                total_label: str = "total") -> list[str]:
     """The saved set as aligned rows, then the totals: inputs and activations apart, bytes by reason.
-    ``shape`` and ``source`` rewrite those columns (golden files rename symbols and drop line numbers)."""
+    ``shape``, ``name`` and ``source`` rewrite those columns (golden files rename symbols and nodes and drop
+    line numbers)."""
     rows = [("name", "dtype[shape]", "bytes", "reason", "op", "module", source_header)]
     for s in report.saved:
-        rows.append((s.name, shape(f"{s.dtype}[{', '.join(s.shape)}]"), str(s.bytes), s.reason, s.op,
+        rows.append((name(s.name), shape(f"{s.dtype}[{', '.join(s.shape)}]"), str(s.bytes), s.reason, s.op,
                      s.module or "<root>", source(s.source) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -8,8 +8,18 @@
 
 File-based, in the spirit of ``expecttest``: the expected text lives in ``expected_graphs/<name>.txt`` next to
 the calling test file (or in ``directory=``). ``EXPECTTEST_ACCEPT=1 pytest ...`` writes or rewrites it; a
-mismatch fails with a unified diff. Each file records the torch version it was made with; under another
-torch version the test is skipped (the partitioner and node naming change between releases).
+mismatch fails with a unified diff and the one command that rewrites the file.
+
+One golden holds on every torch release: the text (:mod:`sacpass.graphs`) has no torch-made node names,
+printing or op spellings, so it changes only when the partition does. Where a release really partitions
+differently (it decomposes an op another way, say), that release gets its own file,
+``<name>.torch-<major>.<minor>.txt``, which is read instead of ``<name>.txt`` on that release:
+
+- comparing on torch X.Y reads ``<name>.torch-X.Y.txt`` if it exists, else ``<name>.txt``; a mismatch fails,
+  naming the command that writes the file for this release;
+- accepting on torch X.Y writes ``<name>.txt`` when there is none, or when it was made on X.Y (a change of the
+  graphs themselves); else, when this release's graphs differ from ``<name>.txt``, it writes
+  ``<name>.torch-X.Y.txt``, and when they match it removes a stale one.
 """
 from __future__ import annotations
 
@@ -24,13 +34,14 @@ from .frames import first_outside
 from .graphs import graph_text, report_text
 from .report import Report
 
-__all__ = ["assert_graphs_match", "golden_text", "expected_path", "ACCEPT_ENV", "OpCounter", "no_compile_caches"]
+__all__ = ["assert_graphs_match", "golden_text", "expected_path", "release_path", "release", "accept_command",
+           "ACCEPT_ENV", "OpCounter", "no_compile_caches"]
 
 ACCEPT_ENV = "EXPECTTEST_ACCEPT"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _HEADER = "# sacpass golden graphs: {name}"
 _VERSION = "# torch {version}"
-_HOWTO = "# regenerate: EXPECTTEST_ACCEPT=1 pytest <this test>"
+_HOWTO = "# regenerate: EXPECTTEST_ACCEPT=1 pytest <this test>  (see sacpass.testing)"
 
 
 def golden_text(obj) -> str:
@@ -96,17 +107,15 @@ def expected_path(name: str, directory: str | os.PathLike | None = None) -> str:
     return os.path.join(folder, f"{name}.txt")
 
 
-def _base_version(version: str) -> str:
-    return version.split("+")[0]
+def release(version: str | None = None) -> str:
+    """``"2.15"`` for torch 2.15.0 (or ``version``): the part of a version a golden file is chosen by."""
+    parts = (version or torch.__version__).split("+")[0].split(".")
+    return ".".join(parts[:2])
 
 
-def _skip(msg: str):
-    try:
-        import pytest
-    except ImportError:  # plain unittest
-        import unittest
-        raise unittest.SkipTest(msg) from None
-    pytest.skip(msg)
+def release_path(path: str, version: str | None = None) -> str:
+    """The golden file of one torch release beside ``path``: ``<name>.torch-2.15.txt``."""
+    return f"{path[:-len('.txt')]}.torch-{release(version)}.txt"
 
 
 def _compose(name: str, body: str) -> str:
@@ -122,36 +131,73 @@ def _split(text: str) -> tuple[str | None, str]:
     return lines[1][len("# torch "):].strip(), "\n".join(lines[body_start:])
 
 
+def _read(path: str) -> tuple[str, str]:
+    with open(path) as f:
+        version, body = _split(f.read())
+    if version is None:
+        raise AssertionError(f"sacpass: {path} has no sacpass golden header; rewrite it with {ACCEPT_ENV}=1.")
+    return version, body
+
+
+def accept_command() -> str:
+    """The command that rewrites the goldens of the running test: ``EXPECTTEST_ACCEPT=1 python -m pytest
+    '<its node id>'`` under pytest, else a generic one."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    node = current.rsplit(" (", 1)[0] if current else "<this test>"
+    return f"{ACCEPT_ENV}=1 python -m pytest '{node}'" if current else f"{ACCEPT_ENV}=1 pytest <this test>"
+
+
+def _accept(name: str, path: str, actual: str) -> str:
+    """Write what acceptance writes (see the module docstring); returns the file written or removed."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    mine = release_path(path)
+    target = path
+    if os.path.exists(path):
+        version, shared = _read(path)
+        if release(version) != release():
+            if shared == actual:
+                if os.path.exists(mine):
+                    os.remove(mine)
+                return mine
+            target = mine
+    if target == path and os.path.exists(mine):
+        os.remove(mine)         # this release's file would shadow the one just written
+    with open(target, "w") as f:
+        f.write(_compose(name, actual))
+    return target
+
+
 def assert_graphs_match(name: str, obj, *, directory: str | os.PathLike | None = None) -> None:
     """Compare the normalised graphs of ``obj`` (a Backend, PartitionResult or Report) with the golden file
-    ``name``. ``EXPECTTEST_ACCEPT=1`` writes the file instead; a mismatch raises AssertionError with a
-    unified diff; a file made under another torch version skips the test. Graphs served by a compile cache
-    are refused (:class:`GoldenFromCacheError`), in both modes: compile under :func:`no_compile_caches`."""
+    ``name`` of this torch release (``<name>.torch-X.Y.txt`` if there is one, else ``<name>.txt``).
+    ``EXPECTTEST_ACCEPT=1`` writes the file instead; a mismatch or a missing file raises AssertionError with a
+    unified diff and the command that writes it. Graphs served by a compile cache are refused
+    (:class:`GoldenFromCacheError`), in both modes: compile under :func:`no_compile_caches`."""
     __tracebackhide__ = True  # pytest shows the caller's line and the diff, not this helper's source
     path = expected_path(name, directory)
     actual = golden_text(obj)
-    accept = os.environ.get(ACCEPT_ENV, "") not in ("", "0")
-    if accept:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            f.write(_compose(name, actual))
+    if os.environ.get(ACCEPT_ENV, "") not in ("", "0"):
+        _accept(name, path, actual)
         return
-    if not os.path.exists(path):
-        raise AssertionError(f"sacpass: no golden file {path}; run the test with {ACCEPT_ENV}=1 to write it, "
-                             f"then review and commit it.")
-    with open(path) as f:
-        version, expected = _split(f.read())
-    if version is None:
-        raise AssertionError(f"sacpass: {path} has no sacpass golden header; rewrite it with {ACCEPT_ENV}=1.")
-    if _base_version(version) != _base_version(torch.__version__):
-        _skip(f"sacpass golden {name!r} was made with torch {version}; this is torch {torch.__version__}. "
-              f"Run with {ACCEPT_ENV}=1 to regenerate it for this version.")
+    mine = release_path(path)
+    chosen = mine if os.path.exists(mine) else path
+    if not os.path.exists(chosen):
+        raise AssertionError(f"sacpass: no golden file {path}; write it with `{accept_command()}`, then review "
+                             f"and commit it.")
+    version, expected = _read(chosen)
     if expected == actual:
         return
     diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
-                                        fromfile=f"{path} (expected)", tofile=f"{name} (actual)"))
-    raise AssertionError(f"sacpass: compiled graphs differ from golden {path}. If the change is intended, "
-                         f"rerun with {ACCEPT_ENV}=1 and review the new file.\n{diff}")
+                                        fromfile=f"{chosen} (expected, torch {version})",
+                                        tofile=f"{name} (actual, torch {torch.__version__})"))
+    if chosen == path and release(version) != release():
+        how = (f"It was made with torch {version}; this is torch {torch.__version__}. If this release partitions "
+               f"differently by design, `{accept_command()}` writes {os.path.basename(mine)} for torch "
+               f"{release()} (read instead of {os.path.basename(path)} here); if the graphs changed for every "
+               f"release, rewrite {os.path.basename(path)} on torch {release(version)}.")
+    else:
+        how = f"If the change is intended, rewrite it with `{accept_command()}` and review the new file."
+    raise AssertionError(f"sacpass: compiled graphs differ from golden {chosen}. {how}\n{diff}")
 
 
 class OpCounter:

@@ -208,6 +208,60 @@ def test_checkpoint_decorator_outside_compile_warns():
         run(x).sum().backward()
 
 
+def _checkpoint_forms():
+    """Ways users run a compiled module under an eager checkpoint, by name: each is checkpoint(compile(f))."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    cp = torch.utils.checkpoint.checkpoint
+    return {
+        "function": lambda compiled: lambda x: cp(compiled, x, use_reentrant=False),
+        "function_reentrant": lambda compiled: lambda x: cp(compiled, x, use_reentrant=True),
+        "checkpoint_wrapper": lambda compiled: checkpoint_wrapper(compiled),
+    }
+
+
+@pytest.mark.parametrize("form", ["function", "function_reentrant", "checkpoint_wrapper"])
+def test_every_eager_checkpoint_form_around_a_compile_warns(form):
+    """checkpoint(compile(f)) is found from torch's checkpoint itself (its saved-tensor hooks, or its frames for
+    the reentrant form), whatever calls it: torch's function, torch.distributed's checkpoint_wrapper. Compiling
+    the same layer with no checkpoint around it does not warn."""
+    layer = ToyLayer(checkpointed=False)
+    be = sacpass.backend(save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False)
+    compiled = torch.compile(layer, backend=be, fullgraph=True)
+    run = _checkpoint_forms()[form](compiled)
+    x = torch.randn(8, 32, requires_grad=True)
+    with pytest.warns(sacpass.SacpassWarning, match=r"checkpoint\(compile\(f\)\).*compile\(checkpoint\(f\)\)"):
+        run(x).sum().backward()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sacpass.SacpassWarning)
+        torch.compile(ToyLayer(checkpointed=False), backend=sacpass.backend(
+            save=[TOPK], inner="aot_eager", use_registered=False, save_discrete=False), fullgraph=True)(x).sum().backward()
+
+
+@pytest.mark.slow
+def test_transformers_gradient_checkpointing_inside_compiled_layers_does_not_warn():
+    """Hugging Face's ``gradient_checkpointing_enable`` checkpoints each decoder layer's ``forward`` (its module
+    hooks stay outside), so layers compiled one by one (``layer.compile(backend=...)``) trace the checkpoint:
+    compile(checkpoint(f)), the composition sacpass wants. No warning, and the backward recomputes inside the
+    compiled graphs."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    be = sacpass.backend(inner="aot_eager", use_registered=False)
+    for layer in model.model.layers:
+        layer.compile(backend=be)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)      # transformers' own deprecation of the name
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (1, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sacpass.SacpassWarning)
+        model(ids, labels=ids).loss.backward()
+    assert be.reports and all(r.recomputed for r in be.reports)
+
+
 def test_activation_memory_budget_zero_with_must_save():
     from torch._functorch import config as fc
     _, model = compile_toy(save=[TOPK])

@@ -39,10 +39,12 @@ def _where(facts: NodeFacts | None, name: str) -> str:
 def audit_partition(joint: torch.fx.GraphModule, facts: dict[str, NodeFacts], fw: torch.fx.GraphModule,
                     bw: torch.fx.GraphModule, tags: TagResult, offloaded: dict[str, str]) -> Audit:
     bw_calls = _calls(bw)
+    recomputed = recomputed_names(fw, bw)
+    in_backward = set(bw_calls) | set(recomputed.values())     # by name, or the same op on the same values
     bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
     violations, warnings, kept = [], [], []
     for rec in tags.records:
-        if rec.tag in ("MUST_SAVE", "MUST_CPU_OFFLOAD") and rec.name in bw_calls:
+        if rec.tag in ("MUST_SAVE", "MUST_CPU_OFFLOAD") and rec.name in in_backward:
             violations.append(f"{_where(facts.get(rec.name), rec.name)} is computed in the backward graph "
                               f"(selector {rec.selector})")
         if rec.tag == "MUST_CPU_OFFLOAD" and rec.name in bw_inputs and rec.name not in offloaded:
@@ -55,7 +57,7 @@ def audit_partition(joint: torch.fx.GraphModule, facts: dict[str, NodeFacts], fw
             kept.append(f"{rec.name} ({rec.op}, selector {rec.selector}; {why})")
     discrete = DiscreteSelector()
     joint_nodes = {n.name: n for n in joint.graph.nodes}
-    for name in sorted(recomputed_names(fw, bw)):
+    for name in sorted(set(recomputed.values())):
         jn = joint_nodes.get(name)
         if jn is not None and name in facts and discrete(jn):
             warnings.append(f"the backward recomputes discrete decision {_where(facts[name], name)}: a recompute can "
@@ -132,7 +134,7 @@ def describe_partition(graph_id: str, policy: str, facts: dict[str, NodeFacts], 
             module=info.module if info else "", source=info.source if info else "", reason=reason,
             selector=selector))
     bw_calls = _calls(bw)
-    recomputed = Counter(op_name(bw_calls[n]) for n in recomputed_names(fw, bw) if n in facts)
+    recomputed = Counter(op_name(bw_calls[b]) for b, f in recomputed_names(fw, bw).items() if f in facts)
     tagged = [dict(r.__dict__) for r in tags.records]
     return Report(graph=graph_id, policy=policy, torch_version=torch.__version__, saved=tuple(saved),
                   saved_symints=symints, recomputed=dict(recomputed), tagged=tuple(tagged),
