@@ -440,28 +440,29 @@ def without_dkv_scatter(prim_func):
     return prim_func.with_body(stmt_functor.ir_transform(prim_func.body, None, drop_atomics, ["tirx.Evaluate"]))
 
 
+def _without_dkv_scatter_kernel(build, pass_configs, heads, topk, sm_scale, target_arch, tunables):
+    import tilelang
+
+    kernel = tilelang.compile(without_dkv_scatter(build(heads, topk, sm_scale, **tunables)),
+                              target={"kind": "cuda", "arch": target_arch}, pass_configs=pass_configs)
+    assert "AtomicAdd" not in kernel.get_kernel_source(), "the dkv scatter is still in the ablation kernel"
+    return kernel
+
+
 @functools.lru_cache(maxsize=None)
 def compile_bwd_without_dkv_scatter(heads, topk, sm_scale, target_arch="sm_90a", **tunables):
     """Stands in for ``sparse_mla_tl.compile_sparse_mla_bwd`` (same signature) while the ablation is timed."""
-    import tilelang
-
     from glm52_model.ops.cuda import sparse_mla_tl as tl
-    kernel = tilelang.compile(without_dkv_scatter(tl.build_sparse_mla_bwd(heads, topk, sm_scale, **tunables)),
-                              target={"kind": "cuda", "arch": target_arch}, pass_configs=tl.BWD_PASS_CONFIGS)
-    assert "AtomicAdd" not in kernel.get_kernel_source(), "the dkv scatter is still in the ablation kernel"
-    return kernel
+    return _without_dkv_scatter_kernel(tl.build_sparse_mla_bwd, tl.BWD_PASS_CONFIGS, heads, topk, sm_scale,
+                                       target_arch, tunables)
 
 
 @functools.lru_cache(maxsize=None)
 def compile_bwd_ws_without_dkv_scatter(heads, topk, sm_scale, target_arch="sm_90a", **tunables):
     """Stands in for ``sparse_mla_tl.compile_sparse_mla_bwd_ws`` (same signature) while the ablation is timed."""
-    import tilelang
-
     from glm52_model.ops.cuda import sparse_mla_tl as tl
-    kernel = tilelang.compile(without_dkv_scatter(tl.build_sparse_mla_bwd_ws(heads, topk, sm_scale, **tunables)),
-                              target={"kind": "cuda", "arch": target_arch}, pass_configs=tl.FWD_PASS_CONFIGS)
-    assert "AtomicAdd" not in kernel.get_kernel_source(), "the dkv scatter is still in the ablation kernel"
-    return kernel
+    return _without_dkv_scatter_kernel(tl.build_sparse_mla_bwd_ws, tl.FWD_PASS_CONFIGS, heads, topk, sm_scale,
+                                       target_arch, tunables)
 
 
 def bench_mla(S, H, idx, reps, with_reference):

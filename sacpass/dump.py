@@ -56,22 +56,21 @@ class Dumper:
 
     def write(self, result) -> str:
         """Write one PartitionResult; returns its folder. Rewrites index.json and index.html."""
-        from .graphs import SymbolRenamer, normalized_graph, readable
+        from .graphs import normalized_graphs, readable
         from .html import graph_view, render_html
 
         gid = result.report.graph
         folder = os.path.join(self.dir, gid)
         view = graph_view(result)
-        regions: dict = {}
-        symbols = SymbolRenamer()
+        forward, backward, _, _ = normalized_graphs(result)
         try:
             os.makedirs(folder, exist_ok=True)
             files = {
                 "joint.txt": result.joint_text,
                 "forward.txt": readable(result.forward),
                 "backward.txt": readable(result.backward),
-                "forward.normalized.txt": symbols(normalized_graph(result.forward, regions)),
-                "backward.normalized.txt": symbols(normalized_graph(result.backward, regions)),
+                "forward.normalized.txt": forward,
+                "backward.normalized.txt": backward,
                 "report.json": result.report.to_json(),
                 "graph.json": json.dumps(view, indent=1, sort_keys=True),
             }

@@ -28,7 +28,7 @@ from .nodes import tag_name
 from .report import Report, saved_table as _saved_rows
 
 __all__ = ["readable", "normalized_graph", "saved_table", "graph_text", "report_text", "stable_symbols", "SymbolRenamer",
-           "CanonicalNames", "op_name",
+           "CanonicalNames", "op_name", "normalized_graphs",
            "module_of_source"]
 
 _DEVICE = re.compile(r"device\(type='[A-Za-z0-9_]+'(?:, index=\d+)?\)")
@@ -260,13 +260,21 @@ def report_text(report: Report) -> str:
     return f"# graph {report.graph}\npolicy: {report.policy}\n# saved\n{saved_table(report)}"
 
 
+def normalized_graphs(result, region_ids: dict[Any, int] | None = None):
+    """A partition's forward and backward as :func:`normalized_graph` prints them, with one naming and one
+    symbol renaming across both: (forward text, backward text, the SymbolRenamer, the CanonicalNames)."""
+    region_ids = {} if region_ids is None else region_ids
+    symbols, names = SymbolRenamer(), CanonicalNames()
+    forward = symbols(normalized_graph(result.forward, region_ids, names))
+    backward = symbols(normalized_graph(result.backward, region_ids, names))
+    return forward, backward, symbols, names
+
+
 def graph_text(result, *, region_ids: dict[Any, int] | None = None) -> str:
     """The golden text of one compiled graph (a ``PartitionResult``): ``# forward``, ``# backward`` and
     ``# saved`` sections, deterministic across runs and test order."""
-    region_ids = {} if region_ids is None else region_ids
-    report, symbols, names = result.report, SymbolRenamer(), CanonicalNames()
-    forward = symbols(normalized_graph(result.forward, region_ids, names))
-    backward = symbols(normalized_graph(result.backward, region_ids, names))
+    report = result.report
+    forward, backward, symbols, names = normalized_graphs(result, region_ids)
     parts = [f"# graph {report.graph}", f"policy: {report.policy}", "# forward", forward.rstrip("\n"),
              "# backward", backward.rstrip("\n"), "# saved", saved_table(report, symbols, names).rstrip("\n")]
     return "\n".join(parts) + "\n"

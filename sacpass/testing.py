@@ -147,8 +147,8 @@ def accept_command() -> str:
     return f"{ACCEPT_ENV}=1 python -m pytest '{node}'" if current else f"{ACCEPT_ENV}=1 pytest <this test>"
 
 
-def _accept(name: str, path: str, actual: str) -> str:
-    """Write what acceptance writes (see the module docstring); returns the file written or removed."""
+def _accept(name: str, path: str, actual: str) -> None:
+    """Write what acceptance writes (see the module docstring)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     mine = release_path(path)
     target = path
@@ -158,7 +158,7 @@ def _accept(name: str, path: str, actual: str) -> str:
             if shared == actual:
                 if os.path.exists(mine):
                     os.remove(mine)
-                return mine
+                return
             target = mine
     if target == path and os.path.exists(mine):
         os.remove(mine)         # this release's file would shadow the one just written

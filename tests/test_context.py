@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sacpass
 from sacpass.testing import OpCounter
-from toy import ToyLayer, assert_close_lists, grads_of
+from toy import BreakingLayer, ToyLayer, assert_close_lists, grads_of
 
 TOPK = ("sacpass_toy::topk_ids", "aten::topk", "glm52::dsa_topk_indices")
 
@@ -116,26 +116,11 @@ def test_context_under_compile_partitions_as_the_backend_alone():
 
 
 # -------------------------------------------------------------------------------- regions run eagerly
-class BreakingLayer(nn.Module):
-    """A checkpointed body Dynamo cannot trace: boolean indexing (a data-dependent shape) in its indexer."""
-
-    def __init__(self, dim=16, topk=4):
-        super().__init__()
-        self.wq, self.wv, self.topk = nn.Linear(dim, dim), nn.Linear(dim, dim), topk
-
-    def forward(self, x):
-        with torch.no_grad():
-            scores = self.wq(x) @ x.T
-            kept = scores[scores > 0]                                  # graph break in the body
-            ids = torch.topk(scores + kept.mean(), self.topk, dim=-1).indices
-        return x + self.wv(x)[ids].mean(1)
-
-
 class BreakingModel(nn.Module):
     def __init__(self, n=2, context_fn=None):
         super().__init__()
         self.embed = nn.Linear(16, 16)
-        self.layers = nn.ModuleList(BreakingLayer() for _ in range(n))
+        self.layers = nn.ModuleList(BreakingLayer(data_dependent=True) for _ in range(n))
         self.context_fn = context_fn
 
     def forward(self, x):

@@ -15,23 +15,9 @@ from torch.utils.checkpoint import checkpoint
 import sacpass
 import sacpass.graph_breaks as gb
 from sacpass.testing import OpCounter
+from toy import BreakingLayer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class BreakingLayer(nn.Module):
-    """A checkpointed body with a graph break: Dynamo runs the whole checkpoint call eagerly."""
-
-    def __init__(self, dim=16, topk=4):
-        super().__init__()
-        self.wq, self.wv, self.topk = nn.Linear(dim, dim), nn.Linear(dim, dim), topk
-
-    def forward(self, x):
-        with torch.no_grad():
-            scores = self.wq(x) @ x.T
-            torch._dynamo.graph_break()
-            ids = torch.topk(scores, self.topk, dim=-1).indices
-        return x + self.wv(x)[ids].mean(1)
 
 
 class Model(nn.Module):

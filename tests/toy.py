@@ -238,3 +238,23 @@ class CompiledStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class BreakingLayer(nn.Module):
+    """A layer whose body Dynamo cannot trace, so a checkpoint around it runs eagerly: an explicit
+    ``torch._dynamo.graph_break()``, or (``data_dependent=True``) boolean indexing, a data-dependent shape, in
+    its indexer."""
+
+    def __init__(self, dim=16, topk=4, data_dependent=False):
+        super().__init__()
+        self.wq, self.wv, self.topk, self.data_dependent = nn.Linear(dim, dim), nn.Linear(dim, dim), topk, data_dependent
+
+    def forward(self, x):
+        with torch.no_grad():
+            scores = self.wq(x) @ x.T
+            if self.data_dependent:
+                scores = scores + scores[scores > 0].mean()              # graph break in the body
+            else:
+                torch._dynamo.graph_break()
+            ids = torch.topk(scores, self.topk, dim=-1).indices
+        return x + self.wv(x)[ids].mean(1)
