@@ -15,7 +15,11 @@ Variants: ``control`` (full recompute: sacpass with no policy at all, i.e. PyTor
 that recompute every op, the top-k included), ``sacpass`` (the default backend), ``offload_ids`` (the top-k
 IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``budget`` (``memory_budget``), and
 ``pytorch_budget``: PyTorch's own solver alone (no checkpoint, Inductor under
-``torch._functorch.config.activation_memory_budget=--budget``).
+``torch._functorch.config.activation_memory_budget=--budget``), and ``model_plan``
+(``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib)``: one plan for all
+layers, placed per layer at run time). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
+GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05. ``--profile`` adds one profiled step
+per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline.
 """
 from __future__ import annotations
 
@@ -41,17 +45,32 @@ from sacpass.testing import OpCounter  # noqa: E402
 from layerbench.variants import add_experts_option, experts_overrides  # noqa: E402
 
 
+GIB = 2 ** 30
+
+
+def model_plan(args, gpu_gib: float) -> sacpass.ModelPlan:
+    return sacpass.ModelPlan(layers=args.layers, gpu_bytes=int(gpu_gib * GIB), host_bytes=int(args.step_host_gib * GIB))
+
+
 def backends(args) -> dict:
+    """{variant: (param) -> backend}; a variant ``name:x`` passes x (model_plan: GPU GiB; budget and
+    pytorch_budget: the memory budget)."""
     inner = "inductor" if args.device == "cuda" else "aot_eager"
-    host = int(args.host_gib * 2 ** 30)
+    host = int(args.host_gib * GIB)
     return {
-        "control": lambda: sacpass.backend(inner=inner, use_registered=False, save_discrete=False),
-        "sacpass": lambda: sacpass.backend(inner=inner),
-        "offload_ids": lambda: sacpass.backend(inner=inner, offload=["glm52::dsa_topk_indices"]),
-        "plan": lambda: sacpass.backend(inner=inner, plan=sacpass.Plan(host_bytes=host)),
-        "budget": lambda: sacpass.backend(inner=inner, memory_budget=args.budget),
-        "pytorch_budget": lambda: inner,
+        "control": lambda _: sacpass.backend(inner=inner, use_registered=False, save_discrete=False),
+        "sacpass": lambda _: sacpass.backend(inner=inner),
+        "offload_ids": lambda _: sacpass.backend(inner=inner, offload=["glm52::dsa_topk_indices"]),
+        "plan": lambda _: sacpass.backend(inner=inner, plan=sacpass.Plan(host_bytes=host)),
+        "model_plan": lambda x: sacpass.backend(inner=inner, plan=model_plan(args, args.gpu_gib if x is None else x)),
+        "budget": lambda x: sacpass.backend(inner=inner, memory_budget=args.budget if x is None else x),
+        "pytorch_budget": lambda _: inner,
     }
+
+
+def split_variant(spec: str) -> tuple[str, float | None]:
+    name, _, param = spec.partition(":")
+    return name, float(param) if param else None
 
 
 def build(args, device, dtype) -> GLM52ForCausalLM:
@@ -70,14 +89,71 @@ def step(model, ids) -> torch.Tensor:
     return loss.detach()
 
 
-def measure(args, name, make_backend, device, dtype) -> dict:
+def profile_step(model, ids, sync) -> dict:
+    """One step under the profiler, from its CUDA timeline: kernel time by kind, copy time each way, and the
+    copy time no kernel ran beside (not hidden)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(model, ids)
+        sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels, copies = [], {"HtoD": [], "DtoH": []}
+    by_kind: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        if e.get("cat") == "kernel":
+            kernels.append(span)
+            name = e["name"]
+            kind = ("sparse_mla" if "sparse" in name.lower() or "mla" in name.lower() else
+                    "topk/indexer" if "topk" in name.lower() or "logits" in name.lower() or "select" in name.lower() else
+                    "gemm" if any(t in name.lower() for t in ("gemm", "sm90", "cutlass", "matmul", "mm_")) else
+                    "triton" if name.startswith("triton") else "other")
+            by_kind[kind] = by_kind.get(kind, 0.0) + float(e["dur"])
+        elif e.get("cat") == "gpu_memcpy":
+            for way in copies:
+                if way in e["name"]:
+                    copies[way].append(span)
+
+    def merged(spans):
+        out = []
+        for a, b in sorted(spans):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    busy = merged(kernels)
+
+    def unhidden(spans):
+        total = 0.0
+        for a, b in merged(spans):
+            covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy if y > a and x < b)
+            total += (b - a) - covered
+        return total
+
+    return {"kernel_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items())},
+            "kernel_busy_ms": sum(b - a for a, b in busy) / 1e3,
+            "copy_ms": {w: sum(b - a for a, b in merged(c)) / 1e3 for w, c in copies.items()},
+            "copy_not_hidden_ms": {w: unhidden(c) / 1e3 for w, c in copies.items()}}
+
+
+def measure(args, spec, make_backend, device, dtype) -> dict:
+    name, param = split_variant(spec)
     torch._dynamo.reset()
     model = build(args, device, dtype)
-    be = make_backend()
+    be = make_backend(param)
     budget = contextlib.nullcontext()
     if name == "pytorch_budget":              # PyTorch's solver alone: no checkpoint, its budget
         apply_ac(model, False)
-        budget = functorch_config.patch(activation_memory_budget=args.budget)
+        budget = functorch_config.patch(activation_memory_budget=args.budget if param is None else param)
     apply_compile(model, backend=be)
     reports = getattr(be, "reports", ())
     ids = torch.randint(0, model.cfg.vocab_size, (1, args.seq), device=device,
@@ -104,6 +180,8 @@ def measure(args, name, make_backend, device, dtype) -> dict:
         sync()
         times.append((time.perf_counter() - a) * 1e3)
     st = offload_runtime.stats()
+    plan = be.config.plan if isinstance(getattr(getattr(be, "config", None), "plan", None), sacpass.ModelPlan) \
+        else None
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
            "fp8_experts": model.cfg.fp8_experts,
@@ -117,13 +195,18 @@ def measure(args, name, make_backend, device, dtype) -> dict:
                        "peak_host_gib": st.peak_host_bytes / 2 ** 30,
                        "peak_pool_held_gib": st.peak_host_bytes_held / 2 ** 30,
                        "dropped_prefetch_gib": st.dropped_prefetch_bytes / 2 ** 30,
-                       "bundles_alive_after": st.bundles_alive}}
+                       "bundles_alive_after": st.bundles_alive,
+                       "kept_on_device_gib_per_step": st.kept_bytes / args.steps / 2 ** 30}}
+    if plan is not None:
+        row["placements"] = offload_runtime.placements(plan)
     if device.type == "cuda":
         host = torch.cuda.host_memory_stats()  # what PyTorch's pinned allocator holds (sacpass's pool lives there)
         row["offload"]["pytorch_pinned_gib"] = host.get("allocated_bytes.current", 0) / 2 ** 30
         row["offload"]["pytorch_pinned_peak_gib"] = host.get("allocated_bytes.peak", 0) / 2 ** 30
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
+        if args.profile:
+            row["profile"] = profile_step(model, ids, sync)
     del model, be
     gc.collect()
     offload_runtime.release_host_memory()
@@ -143,6 +226,9 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--host-gib", type=float, default=4.0, help="planner host budget per layer (GiB)")
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
+    p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
+    p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
+    p.add_argument("--profile", action="store_true", help="profile one more step per variant (CUDA timeline)")
     p.add_argument("--no-fp8", action="store_true")
     add_experts_option(p)
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
@@ -154,7 +240,7 @@ def main(argv=None) -> dict:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": {}}
     for name in args.variants.split(","):
         try:
-            result["variants"][name] = measure(args, name, table[name], device, dtype)
+            result["variants"][name] = measure(args, name, table[split_variant(name)[0]], device, dtype)
         except torch.cuda.OutOfMemoryError as e:
             result["variants"][name] = {"status": "oom", "error": str(e)[:300]}
             gc.collect()

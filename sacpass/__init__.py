@@ -16,7 +16,7 @@ from .selectors import (  # noqa: E402
     CollectiveSelector, DiscreteSelector, ModuleOpSelector, OpSelector, PredicateSelector, as_selector,
 )
 from .policies import Policy, clear_registry, register_must_save, registered_must_save  # noqa: E402
-from .plan import CostModel, Plan  # noqa: E402
+from .plan import CostModel, ModelPlan, Plan  # noqa: E402
 from .report import Decision, Report, SavedTensor, format_report, print_report  # noqa: E402
 from .compiler import Backend, backend, named_backend  # noqa: E402
 from .context import context_fn  # noqa: E402
@@ -26,6 +26,6 @@ __all__ = [
     "UnmatchedSelectorError", "PolicyConflictError", "MustSaveViolation", "BackendOptionError", "DumpError",
     "OffloadError", "UnsupportedTorchVersion", "OpSelector", "ModuleOpSelector", "PredicateSelector",
     "CollectiveSelector", "DiscreteSelector", "as_selector", "Policy", "register_must_save",
-    "registered_must_save", "clear_registry", "Plan", "CostModel", "Report", "SavedTensor", "Decision",
+    "registered_must_save", "clear_registry", "Plan", "ModelPlan", "CostModel", "Report", "SavedTensor", "Decision",
     "format_report", "print_report", "Backend", "backend", "named_backend", "context_fn",
 ]

@@ -104,6 +104,7 @@ class OffloadStats:
     host_bytes_held: int = 0  # pool bytes held now (its slabs): the host memory sacpass really takes
     peak_host_bytes_held: int = 0
     bundles_alive: int = 0  # bundles whose host tensors are still referenced (by an autograd graph)
+    kept_bytes: int = 0  # values a model plan kept on the device instead of offloading
 
     def format(self) -> str:
         gib = 2 ** 30
@@ -112,7 +113,8 @@ class OffloadStats:
                 f"{self.dropped_prefetch_bytes / gib:.3f} GiB prefetched unused); host pool: "
                 f"{self.host_bytes_alive / gib:.3f} GiB in use of {self.host_bytes_held / gib:.3f} GiB held "
                 f"(peaks {self.peak_host_bytes / gib:.3f} / {self.peak_host_bytes_held / gib:.3f}); "
-                f"{self.bundles_alive} bundles alive of {self.bundles} opened")
+                f"{self.bundles_alive} bundles alive of {self.bundles} opened"
+                + (f"; model plan kept {self.kept_bytes / gib:.3f} GiB on the device" if self.kept_bytes else ""))
 
 
 _STATS = OffloadStats()
@@ -384,6 +386,7 @@ def _drain() -> None:
     """Settle the host tensors that died since the last call: their entries go, their blocks go back to the
     pool (after their copies). Storage finalizers only queue the address, so a collection that runs inside
     the runtime never changes the pool under its feet."""
+    _drain_handles()
     while _FREED:
         entry = _ENTRIES.pop(_FREED.popleft(), None)
         if entry is None:
@@ -551,3 +554,242 @@ def reload(host: Tensor, device: torch.device) -> Tensor:
 @reload.register_fake
 def _(host, device):
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+
+
+# ------------------------------------------------------------------------------ placement by a model plan
+"""``sacpass::stash(Tensor x, int index, str plan) -> Tensor`` and ``sacpass::unstash(Tensor handle, SymInt[]
+size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor``: the ops of a :class:`~sacpass.ModelPlan`.
+``stash`` returns a *handle* (a one-element int64 host tensor) and decides per call where the value waits for
+its backward: on the device (kept as it is) or in the host pool (``offload``'s copy, bundle and prefetch). The
+handle's life is the value's: when autograd frees the saved handle, the kept value or host copy goes with it.
+The decision comes from the plan's :class:`_Placement`, by the region's position in the step and the value's
+index in its graph, so the layers that share one compiled graph can place their values differently.
+"""
+
+
+@dataclass(eq=False)
+class _Mark:
+    """Whether a backward has begun on the values of one region (a bundle's, or one kept on the device)."""
+
+    started: bool = False
+    bundled: bool = False  # its first value for the host has opened a bundle
+    before: "weakref.ref[_Bundle] | None" = None  # the newest bundle when the region began: its backward is next
+
+
+@dataclass(eq=False)
+class _Chain:
+    position: int = -1  # the region now running its forward, by its order in the step
+    mark: "weakref.ref[_Mark] | None" = None  # that region's (it dies with the region's values)
+
+
+@dataclass(eq=False)
+class _Stashed:
+    value: Tensor | None  # the device tensor kept, or the host tensor of the pool (offload's)
+    mark: _Mark
+    on_host: bool
+    consumed: bool = False
+
+
+_CHAINS: dict[tuple[tuple[str, int], int], _Chain] = {}  # (device, thread) -> the step its forwards are in
+_STASHED: dict[int, _Stashed] = {}  # handle key -> what it stands for
+_DEAD_HANDLES: collections.deque = collections.deque()
+_HANDLE_IDS = iter(range(1, 1 << 62))
+
+
+@dataclass(eq=False)
+class _Placement:
+    """Where one model plan puts each value: {(position, index): "device" | "host"}, from the step before."""
+
+    layers: int
+    gpu_bytes: int
+    host_bytes: int
+    table: dict[tuple[int, int], str] = field(default_factory=dict)
+    recording: dict[tuple[int, int], int] = field(default_factory=dict)  # this step: (position, index) -> bytes
+    placed: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # this step: where, bytes
+    last: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # the step before: where, bytes
+    steps: int = 0
+    host_used: int = 0  # this step
+    device_used: int = 0
+
+    def new_step(self) -> None:
+        if self.recording:
+            self.table = self.solve(self.recording)
+            self.last, self.steps = dict(self.placed), self.steps + 1
+        self.recording, self.placed, self.host_used, self.device_used = {}, {}, 0, 0
+
+    def solve(self, sizes: dict[tuple[int, int], int]) -> dict[tuple[int, int], str]:
+        """From the last region back, keep values on the device while ``gpu_bytes`` lasts; the rest to the host.
+        Raises OffloadError when the host part passes ``host_bytes``."""
+        table, device = {}, 0
+        for key in sorted(sizes, reverse=True):
+            if key[0] < self.layers and device + sizes[key] <= self.gpu_bytes:
+                table[key] = "device"
+                device += sizes[key]
+            else:
+                table[key] = "host"
+        host = sum(pool_bytes(sizes[k]) for k, where in table.items() if where == "host")
+        if host > self.host_bytes:
+            self._refuse(sum(pool_bytes(v) for v in sizes.values()), host)
+        return table
+
+    def _refuse(self, total: int, host: int) -> None:
+        raise OffloadError(
+            f"sacpass: ModelPlan(layers={self.layers}, gpu_bytes={self.gpu_bytes}, host_bytes={self.host_bytes}) "
+            f"cannot place this step: its planned values take {total} bytes, of which {host} would go to the "
+            f"host, past host_bytes. The smallest budgets that hold the step are host_bytes={host} with this "
+            f"gpu_bytes, or gpu_bytes={total - self.host_bytes} with this host_bytes; or recompile with a smaller "
+            f"plan (its per-region share, (host_bytes + gpu_bytes) / layers, picks what is kept at all).")
+
+    def place(self, position: int, index: int, nbytes: int) -> str:
+        """Where value ``index`` of region ``position`` waits: the table (from the step before), or in the first
+        step the host while host_bytes lasts, then the device while gpu_bytes lasts."""
+        key, size = (position, index), pool_bytes(nbytes)
+        self.recording[key] = nbytes
+        where = self.table.get(key) if self.table else None
+        if where is None:
+            if self.host_used + size <= self.host_bytes:
+                where = "host"
+            elif position < self.layers and self.device_used + nbytes <= self.gpu_bytes:
+                where = "device"
+            else:
+                raise OffloadError(
+                    f"sacpass: ModelPlan(layers={self.layers}, gpu_bytes={self.gpu_bytes}, host_bytes="
+                    f"{self.host_bytes}): by region {position} this step's planned values take "
+                    f"{self.host_used + self.device_used + nbytes} bytes, past host_bytes + gpu_bytes. Each region "
+                    f"was compiled to keep at most (host_bytes + gpu_bytes) / layers, so the step runs more regions "
+                    f"than layers={self.layers} (pass the real count) or larger ones than at compile time; or raise "
+                    f"the budgets.")
+        if where == "host":
+            self.host_used += size
+        else:
+            self.device_used += nbytes
+        self.placed[key] = (where, nbytes)
+        return where
+
+
+_PLACEMENTS: dict[str, _Placement] = {}
+
+
+def register_placement(plan) -> str:
+    """The runtime side of a :class:`~sacpass.ModelPlan` (one per budget set; equal plans share it)."""
+    with _lock:
+        if plan.key not in _PLACEMENTS:
+            _PLACEMENTS[plan.key] = _Placement(plan.layers, plan.gpu_bytes, plan.host_budget())
+    return plan.key
+
+
+def placements(plan=None) -> list[dict]:
+    """Where the last complete step put each planned value: one row per region, in step order, with the bytes
+    kept on the device and sent to the host (the plan's, or every registered plan's)."""
+    with _lock:
+        chosen = [_PLACEMENTS[plan.key]] if plan is not None and plan.key in _PLACEMENTS else \
+            list(_PLACEMENTS.values())
+        rows: dict[int, dict] = {}
+        for pl in chosen:
+            for (pos, _), (where, nbytes) in sorted((pl.last or pl.placed).items()):
+                row = rows.setdefault(pos, {"region": pos, "device_bytes": 0, "host_bytes": 0, "values": 0})
+                row[f"{where}_bytes"] += nbytes
+                row["values"] += 1
+        return [rows[p] for p in sorted(rows)]
+
+
+def format_placements(plan=None) -> str:
+    gib = 2 ** 30
+    lines = ["region  values  device GiB  host GiB"]
+    for r in placements(plan):
+        lines.append(f"{r['region']:>6}  {r['values']:>6}  {r['device_bytes'] / gib:>10.3f}  {r['host_bytes'] / gib:>8.3f}")
+    return "\n".join(lines)
+
+
+def _region(device: torch.device, index: int, placement: _Placement) -> tuple[int, _Mark]:
+    """The position in the step of the forward this call belongs to (index 0 starts a region; a region whose
+    values' backward has begun ends the step) and that region's mark."""
+    chain = _CHAINS.setdefault((_device_key(device), threading.get_ident()), _Chain())
+    last = chain.mark() if chain.mark is not None else None
+    if index == 0 or last is None or last.started:
+        # a new step when the region before has begun its backward, or its values are gone (a forward whose
+        # backward never ran, an exception in the middle of a step)
+        new_step = last is None or last.started
+        chain.position = 0 if new_step else chain.position + 1
+        last = _Mark(before=_OPEN.get((_device_key(device), threading.get_ident())))
+        chain.mark = weakref.ref(last)
+        if new_step:
+            placement.new_step()
+    return chain.position, last
+
+
+def _handle(key: int) -> Tensor:
+    buf = (ctypes.c_int64 * 1)(key)
+    weakref.finalize(buf, _DEAD_HANDLES.append, key).atexit = False
+    return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def _drain_handles() -> None:
+    while _DEAD_HANDLES:
+        _STASHED.pop(_DEAD_HANDLES.popleft(), None)  # the kept value, or the host tensor (then its block), goes
+
+
+@torch.library.custom_op("sacpass::stash", mutates_args=())
+def stash(x: Tensor, index: int, plan: str) -> Tensor:
+    """Keep ``x`` for the backward where ``plan`` places it (device or host pool); returns its handle."""
+    with _lock:
+        _drain_handles()
+        placement = _PLACEMENTS.get(plan)
+        if placement is None:
+            raise OffloadError(f"sacpass: a compiled graph stashes values for the model plan {plan!r}, which no "
+                               f"sacpass.ModelPlan in this process declares; build the backend with that plan "
+                               f"before running graphs compiled (or cached) with it.")
+        position, mark = _region(x.device, index, placement)
+        nbytes = _host_layout(x)[2]
+        where = placement.place(position, index, nbytes)
+        key = next(_HANDLE_IDS)
+        if where == "device":
+            _STATS.kept_bytes += nbytes
+            _STASHED[key] = _Stashed(x, mark, on_host=False)
+            return _handle(key)
+        first, mark.bundled = not mark.bundled, True
+        host = offload(x, 0 if first else max(index, 1))  # a region's first host value opens its bundle
+        _STASHED[key] = _Stashed(host, mark, on_host=True)
+    return _handle(key)
+
+
+@stash.register_fake
+def _(x, index, plan):
+    return torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("sacpass::unstash", mutates_args=())
+def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The value behind ``handle`` on ``device``: the kept tensor, or the host copy reloaded."""
+    with _lock:
+        _drain_handles()
+        item = _STASHED.get(int(handle[0]))
+        if item is None:
+            raise OffloadError("sacpass: a backward asked for a stashed value whose handle sacpass does not know "
+                               "(its forward ran in another process, or the handle was copied); run the "
+                               "forward and the backward of a compiled graph in one process.")
+        if not item.on_host and not item.mark.started:  # a region kept on the device: prefetch the one before
+            prev = item.mark.before() if item.mark.before is not None else None
+            if prev is not None and not prev.started and not prev.issued:
+                _issue_bundle(prev, torch.device(device), prefetch=True)
+                _track(prev)
+        item.mark.started = True
+        if not item.on_host:
+            if item.consumed:
+                raise OffloadError("sacpass: a second backward through a graph whose planned value the model plan "
+                                   "kept on the device: the first backward owned it. Use a sacpass.Plan (per graph) "
+                                   "for graphs that are differentiated twice (retain_graph=True).")
+            item.consumed = True
+            out, item.value = item.value, None
+            # handed to the backward, which may write into it once it is dead there: only if nothing else
+            # (a view kept by the forward's caller, another saved view) shares its memory
+            if torch._C._storage_Use_Count(out.untyped_storage()._cdata) > 2:
+                out = out.clone()
+            return out
+        host = item.value
+    return reload(host, device)
+
+
+@unstash.register_fake
+def _(handle, size, stride, dtype, device):
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)

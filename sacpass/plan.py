@@ -15,7 +15,7 @@ import torch
 from .errors import BackendOptionError
 from .host import physical_memory
 
-__all__ = ["CostModel", "Plan", "as_plan"]
+__all__ = ["CostModel", "Plan", "ModelPlan", "as_plan"]
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,76 @@ class Plan:
         return int(0.4 * physical_memory()) // self.layers
 
 
-def as_plan(plan) -> Plan | None:
-    """``None``, ``"auto"`` (the default :class:`Plan`) or a Plan; anything else is refused."""
+@dataclass(frozen=True)
+class ModelPlan:
+    """One plan for every checkpointed region of a step (all layers), whatever graphs they share.
+
+    Layers of one kind share one compiled graph, so a per-graph :class:`Plan` gives the first layer and the
+    last the same decisions, though the last layer's backward runs first and has no time to hide its reloads.
+    A ModelPlan decides in two places:
+
+    - at compile time, per graph: what is worth keeping at all (the rest is recomputed), greedily by recompute
+      time per byte while ``layers`` regions' worth fits ``host_bytes + gpu_bytes`` and the copy window
+      (``hide`` x the region's estimated forward at the copy rate); these values go through
+      ``sacpass::stash`` / ``sacpass::unstash``;
+    - at run time, per value and region: keep it on the device or copy it to the host pool. The regions are
+      numbered by their order in the step (the n-th forward since the last backward). From the last region
+      backwards, values stay on the device while ``gpu_bytes`` lasts (their backward comes first, their
+      reloads would have nothing to hide behind); the rest goes to the host, within ``host_bytes``. The first
+      step measures: it sends values to the host while ``host_bytes`` lasts and keeps the rest; every later
+      step is placed from the sizes the step before it recorded (:func:`sacpass.offload.placements`).
+
+    layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host.
+    gpu_bytes: device bytes the step may keep beyond the must-saves, all regions together.
+    host_bytes: host bytes the step may offload, all regions together; None: 40% of this machine's memory.
+    hide, min_offload_bytes, cost: as in :class:`Plan`, per region.
+
+    A step whose values fit neither budget raises :class:`~sacpass.OffloadError` naming the smallest budgets
+    that hold it, before the host pool runs out.
+    """
+
+    layers: int
+    gpu_bytes: int = 0
+    host_bytes: int | None = None
+    hide: float = 0.8
+    min_offload_bytes: int = 1 << 20
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise BackendOptionError(f"sacpass: ModelPlan(layers={self.layers!r}) is invalid; pass the number of "
+                                     f"checkpointed regions one step runs (e.g. len(model.layers)), an int >= 1.")
+        Plan(gpu_bytes=self.gpu_bytes, host_bytes=self.host_bytes, hide=self.hide,  # the shared checks
+             min_offload_bytes=self.min_offload_bytes, cost=self.cost)
+
+    def host_budget(self) -> int:
+        return self.host_bytes if self.host_bytes is not None else int(0.4 * physical_memory())
+
+    @property
+    def key(self) -> str:
+        """What the compiled graphs name this plan by (its stash ops' argument): its budgets."""
+        return f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()}"
+
+    def region_plan(self) -> Plan:
+        """The per-graph part: what one region may keep, on the device or the host, if every region of the
+        step ran this graph."""
+        return Plan(gpu_bytes=0, host_bytes=(self.host_budget() + self.gpu_bytes) // self.layers, layers=self.layers,
+                    hide=self.hide,
+                    min_offload_bytes=self.min_offload_bytes, cost=self.cost)
+
+
+def as_plan(plan) -> Plan | ModelPlan | None:
+    """``None``, ``"auto"`` (the default :class:`Plan`), a Plan or a ModelPlan; anything else is refused."""
+    if isinstance(plan, ModelPlan):
+        from .offload import register_placement
+        register_placement(plan)  # before any graph runs, cached ones included
+        return plan
     if plan is None or isinstance(plan, Plan):
         return plan
     if plan == "auto":
         return Plan()
     raise BackendOptionError(f"sacpass: plan={plan!r} is not a plan; pass plan='auto', a sacpass.Plan(...) with "
-                             f"budgets, or None (no planner).")
+                             f"budgets, a sacpass.ModelPlan(layers=...) for the whole step, or None (no planner).")
 
 
 def check_memory_budget(memory_budget) -> float | None:

@@ -121,7 +121,7 @@ def describe_partition(graph_id: str, policy: str, facts: dict[str, NodeFacts], 
     for node in bw.graph.nodes:
         if node.op != "placeholder" or node.name.startswith("tangents"):
             continue
-        val = node.meta.get("val")
+        val = node.meta.get("sacpass_stashed", node.meta.get("val"))  # a stash's handle: the value it holds
         if not isinstance(val, torch.Tensor):
             symints += isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int))
             continue

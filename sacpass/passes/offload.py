@@ -8,7 +8,10 @@ Ensures: for each saved tensor that is a marked value, or a view or cast of one,
 ``host = sacpass::offload(value, i)`` as its last op, after every use of the value (so no compiler can reuse
 the value's memory while the copy reads it; the copy then overlaps the next layer's forward), and saves
 ``host`` instead (real outputs keep the device tensor); the backward's placeholder becomes that host tensor,
-and ``sacpass::reload(host, device)`` before its first use feeds every former user. The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's
+and ``sacpass::reload(host, device)`` before its first use feeds every former user. With a model plan
+(``model_plan``, its key), the values the planner chose go through ``sacpass::stash`` / ``sacpass::unstash``
+instead: the forward saves a handle, and the runtime places each value per call (device or host), so layers
+that share the graph place theirs differently (:mod:`sacpass.offload`). The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's
 vocabulary) for printing. Returns {saved name: selector} of what it offloaded.
 """
 from __future__ import annotations
@@ -46,12 +49,13 @@ def _insert(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, name:
 
 
 def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, marks: dict[str, str],
-                 num_fwd_outputs: int) -> dict[str, str]:
+                 num_fwd_outputs: int, model_plan: str = "") -> dict[str, str]:
     """Rewrite ``forward`` and ``backward`` (see the module docstring)."""
     if not marks:
         return {}
     out_node = forward.graph.find_nodes(op="output")[0]
     outputs = list(out_node.args[0])
+    real_outputs = {n for n in outputs[:num_fwd_outputs] if isinstance(n, torch.fx.Node)}
     bw_inputs = {n.name: n for n in backward.graph.find_nodes(op="placeholder")}
     done: dict[str, str] = {}
     index = 0
@@ -61,19 +65,35 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
                     and isinstance(node, torch.fx.Node) and node.name in marks and node.op != "placeholder"
                     and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
                    key=lambda pn: fw_order[pn[1]])
+    stashed = 0
     for pos, node in saved:
-        host = _insert(forward.graph, out_node, torch.ops.sacpass.offload.default, (node, index), f"{node.name}_offload")
+        placeholder = bw_inputs[node.name]
+        val = placeholder.meta["val"]
+        # a model plan's values wait where its runtime places them; a value the caller also gets back (or a
+        # view of one) is never handed to the backward as its own, so it is offloaded
+        placed = bool(model_plan) and marks[node.name] == "plan" and node not in real_outputs and \
+            not (is_cast_or_view(node) and node.all_input_nodes and node.all_input_nodes[0] in real_outputs)
+        if placed:
+            host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default, (node, stashed, model_plan),
+                           f"{node.name}_stash")
+            placeholder.meta["sacpass_stashed"] = val  # what the handle stands for (the report's row)
+            stashed += 1
+        else:
+            host = _insert(forward.graph, out_node, torch.ops.sacpass.offload.default, (node, index),
+                           f"{node.name}_offload")
+            index += 1
         node.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
         outputs[pos] = host
-        index += 1
-        placeholder = bw_inputs[node.name]
-        device = placeholder.meta["val"].device
         placeholder.meta["val"] = host.meta["val"]
         first = min(placeholder.users, key=bw_order.__getitem__, default=None)
         if first is None:
             continue
-        back = _insert(backward.graph, first, torch.ops.sacpass.reload.default, (placeholder, device),
-                       f"{node.name}_reload")
+        if placed:
+            args = (placeholder, list(val.shape), list(val.stride()), val.dtype, val.device)
+            back = _insert(backward.graph, first, torch.ops.sacpass.unstash.default, args, f"{node.name}_unstash")
+        else:
+            back = _insert(backward.graph, first, torch.ops.sacpass.reload.default, (placeholder, val.device),
+                           f"{node.name}_reload")
         for user in list(placeholder.users):
             if user is not back:
                 user.replace_input_with(placeholder, back)

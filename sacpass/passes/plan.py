@@ -34,7 +34,7 @@ from ..errors import warn
 from ..nodes import (backward_part, is_getitem, is_view, module_path, node_op, op_name, size_hint, tensor_nbytes,
                      unpackers)
 from ..offload import host_limit, pool_bytes
-from ..plan import CostModel, Plan
+from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
 from .tag_policy import OFFLOAD, TagResult
 
@@ -201,6 +201,8 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     without a plan is left to PyTorch's solver (see :func:`release_regions`); this pass then does nothing."""
     if plan is None:
         return ()
+    if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
+        plan = plan.region_plan()
     graph = gm.graph
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()

@@ -34,7 +34,13 @@ def _step(model, ids):
     return loss.detach().float(), topk.backward, grads
 
 
-def test_two_layer_16k_model_with_a_host_budget_matches_eager():
+PLANS = {"plan": lambda: sacpass.Plan(host_bytes=1 << 30),
+         # one plan for both layers: the last layer's values stay on the device, the first layer's go to the host
+         "model_plan": lambda: sacpass.ModelPlan(layers=2, gpu_bytes=8 << 30, host_bytes=8 << 30)}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANS))
+def test_two_layer_16k_model_with_a_host_budget_matches_eager(kind):
     torch.manual_seed(0)
     cfg = GLM52Config.preset("bench", num_layers=2, mtp_layers=0, fp8=True, first_k_dense=0)
     with torch.device("cuda"):
@@ -52,15 +58,21 @@ def test_two_layer_16k_model_with_a_host_budget_matches_eager():
     del control
 
     torch._dynamo.reset()
-    be = sacpass.backend(plan=sacpass.Plan(host_bytes=1 << 30))
+    be = sacpass.backend(plan=PLANS[kind]())
     model = apply_compile(copy.deepcopy(base), backend=be)
-    for _ in range(2):  # the second step runs the compiled graphs as a training loop does
+    for _ in range(3):  # later steps run the compiled graphs as a training loop does (a model plan: placed)
         offload_runtime.reset_stats()
         l_p, bw_topk, g_p = _step(model, ids)
         st = offload_runtime.stats()
         assert bw_topk == 0
         assert st.offloaded_bytes > 0 and st.reloaded_bytes == st.offloaded_bytes, st.format()
         assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+    if kind == "model_plan":
+        rows = offload_runtime.placements(be.config.plan)
+        print(offload_runtime.format_placements(be.config.plan))
+        assert [r["region"] for r in rows] == [0, 1]
+        assert rows[1]["host_bytes"] == 0 < rows[1]["device_bytes"] and rows[0]["host_bytes"] > 0, rows
+        assert st.kept_bytes > 0 and st.waited_reloads == 0, st.format()  # the first layer prefetched
     assert any(d.action == "offload" for r in be.reports for d in r.decisions)
     assert torch.allclose(l_p, l_e, rtol=1e-2), (l_p.item(), l_e.item())
     assert set(g_p) == set(g_e) == set(g_c)

@@ -1,0 +1,144 @@
+"""One plan for all layers (sacpass.ModelPlan) on a stack of separately compiled toy layers, on the CPU.
+
+The layers share one compiled graph, so what differs per layer is decided at run time: the decisions pinned
+here are where each region's values wait (device or host) under several budgets, what is recomputed at all
+(the per-region share), the budgets a step cannot meet (an OffloadError naming the smallest that can), and
+that gradients equal eager's whatever the placement. The GPU side (pinned copies, a 2-layer 16K model) is
+tests/gpu/test_model_offload_cuda.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sacpass
+import sacpass.offload as rt
+from sacpass.testing import no_compile_caches
+from toy import CompiledStack
+
+LAYERS = 4
+REGION = 18816  # bytes a toy layer's planned values take (6 values: 5 of 3072 or 6144 bytes, one of 384)
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
+
+
+def _x():
+    return torch.randn(24, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    rt.release_host_memory()
+    yield
+    rt.release_host_memory()
+
+
+def _run(plan, steps=3):
+    """(grads of each step, stats of the last step, placements of the last step, the backend)."""
+    with no_compile_caches():
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        model = CompiledStack(be, LAYERS, 0)
+        out = []
+        for _ in range(steps):
+            rt.reset_stats()
+            out.append(_step(model, _x()))
+        return out, rt.stats(), rt.placements(plan), be
+
+
+def _eager():
+    return _step(CompiledStack("eager", LAYERS, 0), _x())
+
+
+def _plan(gpu, host):
+    return sacpass.ModelPlan(layers=LAYERS, gpu_bytes=gpu, host_bytes=host, min_offload_bytes=0)
+
+
+@pytest.mark.parametrize("gpu,host,device_by_region", [
+    (0, 1 << 20, [0, 0, 0, 0]),                          # all to the host
+    (REGION, 1 << 20, [0, 0, 0, REGION]),                # the last layer stays: its backward comes first
+    (REGION + 384 * 3, 1 << 20, [384, 384, 384, REGION]),  # then what fits, from the end back
+    (2 * REGION, 1 << 20, [0, 0, REGION, REGION]),
+    (4 * REGION + 4096, 0, [REGION] * 4),                # no host: everything on the device
+])
+def test_placement_by_region_under_several_budgets(gpu, host, device_by_region):
+    grads, st, rows, be = _run(_plan(gpu, host))
+    assert [r["region"] for r in rows] == list(range(LAYERS))
+    assert [r["device_bytes"] for r in rows] == device_by_region
+    assert [r["host_bytes"] for r in rows] == [REGION - d for d in device_by_region]
+    assert st.kept_bytes == sum(device_by_region)
+    assert st.offloaded_bytes == st.reloaded_bytes == LAYERS * REGION - sum(device_by_region)
+    assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+    ref = _eager()
+    for g in grads:  # the measuring step and the placed ones
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
+    assert len(be.reports) == 1  # the layers share one graph: the placement differs, the graph does not
+
+
+def test_a_region_kept_on_the_device_prefetches_the_one_before():
+    _, st, rows, _ = _run(_plan(REGION, 1 << 20))
+    assert rows[-1]["host_bytes"] == 0
+    assert st.waited_reloads == 0 and st.prefetched_bytes == st.reloaded_bytes > 0, st.format()
+    _, st, _, _ = _run(_plan(0, 1 << 20))
+    assert st.waited_reloads == 6  # all on the host: the last layer's reloads have nothing before them
+
+
+def test_the_per_region_share_decides_what_is_recomputed():
+    """Each region may keep (host_bytes + gpu_bytes) / layers; below a value's size it is recomputed in
+    every layer (the graph is shared), and the step never needs more than the budgets."""
+    share = 4 * (6144 + 3072 + 384 + 100)  # the addmm, one mm / bmm and the small bmm per region
+    grads, st, rows, be = _run(_plan(0, share))
+    actions = {d.name: d.action for d in be.reports[0].decisions}
+    assert sorted(a for a in actions.values()) == ["offload"] * 3 + ["recompute"] * 3, actions
+    assert st.offloaded_bytes <= share
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(grads[-1], _eager()))
+
+
+def test_a_step_past_the_budgets_raises_naming_the_smallest_that_hold_it():
+    """Compiled for 2 layers, run with 4: the first step finds it has passed host + gpu bytes, the error
+    names the fix before the host pool runs out."""
+    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=2 * REGION, min_offload_bytes=0)
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
+        with pytest.raises(sacpass.OffloadError, match=r"more regions than layers=2 \(pass the real count\)"):
+            _step(model, _x())
+    assert rt.stats().host_bytes_alive == 0 and not rt._STASHED
+
+
+def test_a_placement_the_host_budget_cannot_hold_names_the_smallest_budgets():
+    placement = rt._Placement(layers=2, gpu_bytes=1024, host_bytes=2048)
+    sizes = {(0, 0): 2048, (0, 1): 1024, (1, 0): 1024}
+    with pytest.raises(sacpass.OffloadError, match=r"smallest budgets that hold the step are host_bytes=3072 with "
+                                                   r"this gpu_bytes, or gpu_bytes=2048 with this host_bytes"):
+        placement.solve(sizes)
+    assert rt._Placement(layers=2, gpu_bytes=1024, host_bytes=3072).solve(sizes) == \
+        {(1, 0): "device", (0, 1): "host", (0, 0): "host"}
+
+
+def test_a_second_backward_through_a_value_kept_on_the_device_is_refused():
+    from torch._functorch import config as functorch_config
+
+    with no_compile_caches(), functorch_config.patch(donated_buffer=False):  # donated buffers refuse it anyway
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=_plan(4 * REGION + 4096, 0)), LAYERS, 0)
+        _step(model, _x())
+        x = _x().requires_grad_(True)
+        loss = model(x).square().sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(sacpass.OffloadError, match=r"second backward.*retain_graph"):
+            loss.backward()
+
+
+def test_model_plan_checks_its_arguments():
+    for bad in (0, -1, True, 2.0, None):
+        with pytest.raises(sacpass.BackendOptionError, match=r"ModelPlan\(layers="):
+            sacpass.ModelPlan(layers=bad)
+    with pytest.raises(sacpass.BackendOptionError, match="gpu_bytes"):
+        sacpass.ModelPlan(layers=2, gpu_bytes=-1)
+    with pytest.raises(sacpass.BackendOptionError, match="host_bytes"):
+        sacpass.ModelPlan(layers=2, host_bytes=1.5)
+    assert sacpass.backend(plan=sacpass.ModelPlan(layers=3)).config.plan == sacpass.ModelPlan(layers=3)
+    assert sacpass.ModelPlan(layers=3, gpu_bytes=1).key != sacpass.ModelPlan(layers=3).key
