@@ -730,8 +730,10 @@ def _drain_handles() -> None:
 
 
 @torch.library.custom_op("sacpass::stash", mutates_args=())
-def stash(x: Tensor, index: int, plan: str) -> Tensor:
-    """Keep ``x`` for the backward where ``plan`` places it (device or host pool); returns its handle."""
+def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
+    """Keep ``x`` for the backward where ``plan`` places it (device or host pool); returns its handle. ``after``
+    (the forward's other outputs, unread) orders it after all of the forward's work: a compiler sees a tiny
+    output and would otherwise move it up to ``x``'s producer, then reuse ``x``'s memory that it keeps."""
     with _lock:
         _drain_handles()
         placement = _PLACEMENTS.get(plan)
@@ -754,7 +756,7 @@ def stash(x: Tensor, index: int, plan: str) -> Tensor:
 
 
 @stash.register_fake
-def _(x, index, plan):
+def _(x, index, plan, after):
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 

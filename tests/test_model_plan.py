@@ -142,3 +142,22 @@ def test_model_plan_checks_its_arguments():
         sacpass.ModelPlan(layers=2, host_bytes=1.5)
     assert sacpass.backend(plan=sacpass.ModelPlan(layers=3)).config.plan == sacpass.ModelPlan(layers=3)
     assert sacpass.ModelPlan(layers=3, gpu_bytes=1).key != sacpass.ModelPlan(layers=3).key
+
+
+def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
+    """A stash's output is a tiny handle, so Inductor's scheduler would move it up to its value's producer and
+    could then reuse that memory, which the runtime keeps or is still copying; the stash reads the forward's
+    other outputs to stay last. Pinned on Inductor's generated forward, and by gradients equal to eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="inductor", plan=_plan(REGION, 1 << 20)), LAYERS, 0)
+        grads, codes = run_and_get_code(lambda: [_step(model, _x()) for _ in range(3)])
+    forward = next(c for c in codes if "sacpass.stash.default(" in c)
+    body = forward[forward.index("def call("):].splitlines()
+    stashes = [i for i, line in enumerate(body) if "sacpass.stash.default(" in line]
+    work = [i for i, line in enumerate(body) if "extern_kernels." in line or "cpp_fused" in line]
+    assert len(stashes) == 6 and work and min(stashes) > max(work), "\n".join(body)
+    ref = _eager()
+    for g in grads:
+        assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(g, ref))

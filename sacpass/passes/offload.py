@@ -44,7 +44,7 @@ def _insert(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, name:
     """``op(*args)`` as a node before ``before``, its ``val`` from the op's fake on the arguments' values."""
     with graph.inserting_before(before):
         node = graph.call_function(op, args, name=name)
-    node.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+    node.meta["val"] = op(*torch.fx.node.map_arg(args, lambda a: a.meta["val"]))
     return node
 
 
@@ -66,6 +66,9 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
                     and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
                    key=lambda pn: fw_order[pn[1]])
     stashed = 0
+    placed_names = {n.name for _, n in saved if bool(model_plan) and marks[n.name] == "plan"}
+    after = [n for n in dict.fromkeys(outputs) if isinstance(n, torch.fx.Node) and n.op != "placeholder"
+             and isinstance(n.meta.get("val"), torch.Tensor) and n.name not in placed_names]
     for pos, node in saved:
         placeholder = bw_inputs[node.name]
         val = placeholder.meta["val"]
@@ -74,8 +77,8 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         placed = bool(model_plan) and marks[node.name] == "plan" and node not in real_outputs and \
             not (is_cast_or_view(node) and node.all_input_nodes and node.all_input_nodes[0] in real_outputs)
         if placed:
-            host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default, (node, stashed, model_plan),
-                           f"{node.name}_stash")
+            host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default,
+                           (node, stashed, model_plan, after), f"{node.name}_stash")
             placeholder.meta["sacpass_stashed"] = val  # what the handle stands for (the report's row)
             stashed += 1
         else:
