@@ -94,6 +94,27 @@ def test_planner_on_cuda_matches_full_recompute():
     assert sum(r.host_bytes for r in plan_be.reports) > 0
 
 
+def test_model_plan_on_cuda_keeps_the_last_layer_and_matches_full_recompute():
+    """One plan for the stack: the last layer's values stay on the device, the others go through pinned
+    memory; three steps (the first measures), each with full recompute's gradients."""
+    x = torch.randn(1024, 256, device="cuda")
+    torch._dynamo.reset()
+    ref = _step(_stack({"use_registered": False, "save_discrete": False})[0], x)
+    torch._dynamo.reset()
+    plan = sacpass.ModelPlan(layers=N_LAYERS, gpu_bytes=8 << 20, host_bytes=64 << 20, min_offload_bytes=0)
+    model, _ = _stack({"plan": plan})
+    for _ in range(3):
+        offload_runtime.reset_stats()
+        grads = _step(model, x)
+        for a, b in zip(grads, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    st = offload_runtime.stats()
+    rows = offload_runtime.placements(plan)
+    assert rows[-1]["host_bytes"] == 0 < rows[-1]["device_bytes"] and rows[0]["host_bytes"] > 0, rows
+    assert st.kept_bytes > 0 and st.offloaded_bytes == st.reloaded_bytes > 0, st.format()
+    assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+
+
 # ------------------------------------------------------------------------------------------ lifecycle
 def _stack(options, seed=0):
     be = sacpass.backend(inner="inductor", **options)
