@@ -180,8 +180,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         sync()
         times.append((time.perf_counter() - a) * 1e3)
     st = offload_runtime.stats()
-    plan = be.config.plan if isinstance(getattr(getattr(be, "config", None), "plan", None), sacpass.ModelPlan) \
-        else None
+    plan = getattr(getattr(be, "config", None), "plan", None)
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
            "fp8_experts": model.cfg.fp8_experts,
@@ -197,7 +196,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
                        "dropped_prefetch_gib": st.dropped_prefetch_bytes / 2 ** 30,
                        "bundles_alive_after": st.bundles_alive,
                        "kept_on_device_gib_per_step": st.kept_bytes / args.steps / 2 ** 30}}
-    if plan is not None:
+    if isinstance(plan, sacpass.ModelPlan):
         row["placements"] = offload_runtime.placements(plan)
     if device.type == "cuda":
         host = torch.cuda.host_memory_stats()  # what PyTorch's pinned allocator holds (sacpass's pool lives there)

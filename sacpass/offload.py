@@ -557,14 +557,13 @@ def _(host, device):
 
 
 # ------------------------------------------------------------------------------ placement by a model plan
-"""``sacpass::stash(Tensor x, int index, str plan) -> Tensor`` and ``sacpass::unstash(Tensor handle, SymInt[]
-size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor``: the ops of a :class:`~sacpass.ModelPlan`.
-``stash`` returns a *handle* (a one-element int64 host tensor) and decides per call where the value waits for
-its backward: on the device (kept as it is) or in the host pool (``offload``'s copy, bundle and prefetch). The
-handle's life is the value's: when autograd frees the saved handle, the kept value or host copy goes with it.
-The decision comes from the plan's :class:`_Placement`, by the region's position in the step and the value's
-index in its graph, so the layers that share one compiled graph can place their values differently.
-"""
+# sacpass::stash(Tensor x, int index, str plan, Tensor[] after) -> Tensor and sacpass::unstash(Tensor handle,
+# SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor: the ops of a sacpass.ModelPlan.
+# stash returns a handle (a one-element int64 host tensor) and decides per call where the value waits for its
+# backward: on the device (kept as it is) or in the host pool (offload's copy, bundle and prefetch). The handle's
+# life is the value's: when autograd frees the saved handle, the kept value or host copy goes with it. The
+# decision is the plan's _Placement, by the region's position in the step and the value's index in its graph,
+# so the layers that share one compiled graph place their values differently.
 
 
 @dataclass(eq=False)
@@ -607,14 +606,13 @@ class _Placement:
     recording: dict[tuple[int, int], int] = field(default_factory=dict)  # this step: (position, index) -> bytes
     placed: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # this step: where, bytes
     last: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # the step before: where, bytes
-    steps: int = 0
     host_used: int = 0  # this step
     device_used: int = 0
 
     def new_step(self) -> None:
         if self.recording:
             self.table = self.solve(self.recording)
-            self.last, self.steps = dict(self.placed), self.steps + 1
+            self.last = dict(self.placed)
         self.recording, self.placed, self.host_used, self.device_used = {}, {}, 0, 0
 
     def solve(self, sizes: dict[tuple[int, int], int]) -> dict[tuple[int, int], str]:
@@ -628,11 +626,9 @@ class _Placement:
             else:
                 table[key] = "host"
         host = sum(pool_bytes(sizes[k]) for k, where in table.items() if where == "host")
-        if host > self.host_bytes:
-            self._refuse(sum(pool_bytes(v) for v in sizes.values()), host)
-        return table
-
-    def _refuse(self, total: int, host: int) -> None:
+        if host <= self.host_bytes:
+            return table
+        total = sum(pool_bytes(v) for v in sizes.values())
         raise OffloadError(
             f"sacpass: ModelPlan(layers={self.layers}, gpu_bytes={self.gpu_bytes}, host_bytes={self.host_bytes}) "
             f"cannot place this step: its planned values take {total} bytes, of which {host} would go to the "
@@ -750,7 +746,7 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
             _STASHED[key] = _Stashed(x, mark, on_host=False)
             return _handle(key)
         first, mark.bundled = not mark.bundled, True
-        host = offload(x, 0 if first else max(index, 1))  # a region's first host value opens its bundle
+        host = offload(x, 0 if first else 1)  # index 0: the region's first host value opens its bundle
         _STASHED[key] = _Stashed(host, mark, on_host=True)
     return _handle(key)
 

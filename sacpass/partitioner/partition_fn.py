@@ -21,7 +21,6 @@ from ..passes.discrete import keep_decisions_pass
 from ..passes.offload import offload_marks, offload_pass
 from ..passes.plan import plan_pass, release_regions
 from ..passes.tag_policy import tag_policy_pass
-from ..offload import register_placement
 from ..plan import ModelPlan
 from ..selectors import DiscreteSelector
 from .audit import audit_partition, describe_partition
@@ -104,7 +103,7 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     text = joint_text(gm)
     marks = offload_marks(gm)
     fw, bw = _min_cut(gm, joint_inputs, budget, **kwargs)
-    model_plan = register_placement(cfg.plan) if isinstance(cfg.plan, ModelPlan) else ""
+    model_plan = cfg.plan.key if isinstance(cfg.plan, ModelPlan) else ""  # registered by as_plan
     offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0), model_plan)
     final_tags = {n.name: tag_name(n) for n in gm.graph.nodes}  # the min-cut adds MUST_SAVE at region edges
     decisions = _settle(decisions, bw, facts)

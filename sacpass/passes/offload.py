@@ -65,18 +65,20 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
                     and isinstance(node, torch.fx.Node) and node.name in marks and node.op != "placeholder"
                     and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
                    key=lambda pn: fw_order[pn[1]])
-    stashed = 0
-    placed_names = {n.name for _, n in saved if bool(model_plan) and marks[n.name] == "plan"}
+    def is_placed(node: torch.fx.Node) -> bool:
+        """A model plan's value waits where its runtime places it; a value the caller also gets back (or a view
+        of one) is never handed to the backward as its own, so it is offloaded."""
+        return bool(model_plan) and marks[node.name] == "plan" and node not in real_outputs and \
+            not (is_cast_or_view(node) and node.all_input_nodes and node.all_input_nodes[0] in real_outputs)
+
+    placed = {node for _, node in saved if is_placed(node)}
     after = [n for n in dict.fromkeys(outputs) if isinstance(n, torch.fx.Node) and n.op != "placeholder"
-             and isinstance(n.meta.get("val"), torch.Tensor) and n.name not in placed_names]
+             and isinstance(n.meta.get("val"), torch.Tensor) and n not in placed]
+    stashed = 0
     for pos, node in saved:
         placeholder = bw_inputs[node.name]
         val = placeholder.meta["val"]
-        # a model plan's values wait where its runtime places them; a value the caller also gets back (or a
-        # view of one) is never handed to the backward as its own, so it is offloaded
-        placed = bool(model_plan) and marks[node.name] == "plan" and node not in real_outputs and \
-            not (is_cast_or_view(node) and node.all_input_nodes and node.all_input_nodes[0] in real_outputs)
-        if placed:
+        if node in placed:
             host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default,
                            (node, stashed, model_plan, after), f"{node.name}_stash")
             placeholder.meta["sacpass_stashed"] = val  # what the handle stands for (the report's row)
@@ -91,7 +93,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         first = min(placeholder.users, key=bw_order.__getitem__, default=None)
         if first is None:
             continue
-        if placed:
+        if node in placed:
             args = (placeholder, list(val.shape), list(val.stride()), val.dtype, val.device)
             back = _insert(backward.graph, first, torch.ops.sacpass.unstash.default, args, f"{node.name}_unstash")
         else:
