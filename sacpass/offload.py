@@ -586,7 +586,18 @@ class _Stashed:
     value: Tensor | None  # the device tensor kept, or the host tensor of the pool (offload's)
     mark: _Mark
     on_host: bool
+    source: "weakref.ref[Tensor]"  # the value stashed, while something else keeps it (a graph input's caller)
+    version: int  # its version then: an in-place write before the backward is refused, as autograd does
     consumed: bool = False
+
+    def check_unchanged(self) -> None:
+        x = self.source()
+        if x is not None and x._version != self.version:
+            raise OffloadError(
+                f"sacpass: a value a model plan keeps for the backward ({tuple(x.shape)} {x.dtype}) was modified in "
+                f"place after the forward (version {self.version} -> {x._version}); its backward would read other "
+                f"values. Do not write into a layer's input or output before the backward (clone it first), as "
+                f"autograd requires for every saved tensor.")
 
 
 _CHAINS: dict[tuple[tuple[str, int], int], _Chain] = {}  # (device, thread) -> the step its forwards are in
@@ -743,11 +754,11 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
         key = next(_HANDLE_IDS)
         if where == "device":
             _STATS.kept_bytes += nbytes
-            _STASHED[key] = _Stashed(x, mark, on_host=False)
+            _STASHED[key] = _Stashed(x, mark, on_host=False, source=weakref.ref(x), version=x._version)
             return _handle(key)
         first, mark.bundled = not mark.bundled, True
         host = offload(x, 0 if first else 1)  # index 0: the region's first host value opens its bundle
-        _STASHED[key] = _Stashed(host, mark, on_host=True)
+        _STASHED[key] = _Stashed(host, mark, on_host=True, source=weakref.ref(x), version=x._version)
     return _handle(key)
 
 
@@ -772,6 +783,7 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
                 _issue_bundle(prev, torch.device(device), prefetch=True)
                 _track(prev)
         item.mark.started = True
+        item.check_unchanged()
         if not item.on_host:
             if item.consumed:
                 raise OffloadError("sacpass: a second backward through a graph whose planned value the model plan "

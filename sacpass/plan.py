@@ -124,6 +124,10 @@ class ModelPlan:
     layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host.
     gpu_bytes: device bytes the step may keep beyond the must-saves, all regions together.
     host_bytes: host bytes the step may offload, all regions together; None: 40% of this machine's memory.
+    inputs:    also place each region's activation inputs (a decoder layer's hidden states, which activation
+               checkpointing otherwise keeps on the device for every layer) like its planned values: kept on
+               the device for the last regions, offloaded for the rest. Parameters and buffers (the graph's
+               static inputs) never move. Their bytes come out of the region's share first.
     hide, min_offload_bytes, cost: as in :class:`Plan`, per region.
 
     A step whose values fit neither budget raises :class:`~sacpass.OffloadError` naming the smallest budgets
@@ -133,11 +137,15 @@ class ModelPlan:
     layers: int
     gpu_bytes: int = 0
     host_bytes: int | None = None
+    inputs: bool = True
     hide: float = 0.8
     min_offload_bytes: int = 1 << 20
     cost: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.inputs, bool):
+            raise BackendOptionError(f"sacpass: ModelPlan(inputs={self.inputs!r}) must be True (place the regions' "
+                                     f"activation inputs too) or False (keep them on the device).")
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
             raise BackendOptionError(f"sacpass: ModelPlan(layers={self.layers!r}) is invalid; pass the number of "
                                      f"checkpointed regions one step runs (e.g. len(model.layers)), an int >= 1.")
@@ -150,12 +158,16 @@ class ModelPlan:
     @property
     def key(self) -> str:
         """What the compiled graphs name this plan by (its stash ops' argument): its budgets."""
-        return f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()}"
+        return f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()},inputs={int(self.inputs)}"
 
-    def region_plan(self) -> Plan:
-        """The per-graph part: what one region may keep, on the device or the host, if every region of the
-        step ran this graph."""
-        return Plan(gpu_bytes=0, host_bytes=(self.host_budget() + self.gpu_bytes) // self.layers, layers=self.layers,
+    def region_share(self) -> int:
+        """The bytes one region may keep, on the device or the host, if every region of the step ran its graph."""
+        return (self.host_budget() + self.gpu_bytes) // self.layers
+
+    def region_plan(self, placed_inputs: int = 0) -> Plan:
+        """The per-graph part: the region's share less ``placed_inputs`` (the bytes of its activation inputs,
+        which are placed whatever the planner decides), for the values the planner chooses."""
+        return Plan(gpu_bytes=0, host_bytes=max(0, self.region_share() - placed_inputs), layers=self.layers,
                     hide=self.hide,
                     min_offload_bytes=self.min_offload_bytes, cost=self.cost)
 

@@ -17,7 +17,9 @@ from sacpass.testing import no_compile_caches
 from toy import CompiledStack
 
 LAYERS = 4
-REGION = 18816  # bytes a toy layer's planned values take (6 values: 5 of 3072 or 6144 bytes, one of 384)
+VALUES = 18816  # bytes a toy layer's planned values take (6 values: 5 of 3072 or 6144 bytes, one of 384)
+INPUT = 24 * 32 * 4  # its activation input, placed too (a model plan's default)
+REGION = VALUES + INPUT
 
 
 def _step(model, x):
@@ -54,8 +56,8 @@ def _eager():
     return _step(CompiledStack("eager", LAYERS, 0), _x())
 
 
-def _plan(gpu, host):
-    return sacpass.ModelPlan(layers=LAYERS, gpu_bytes=gpu, host_bytes=host, min_offload_bytes=0)
+def _plan(gpu, host, **kw):
+    return sacpass.ModelPlan(layers=LAYERS, gpu_bytes=gpu, host_bytes=host, min_offload_bytes=0, **kw)
 
 
 @pytest.mark.parametrize("gpu,host,device_by_region", [
@@ -84,15 +86,15 @@ def test_a_region_kept_on_the_device_prefetches_the_one_before():
     assert rows[-1]["host_bytes"] == 0
     assert st.waited_reloads == 0 and st.prefetched_bytes == st.reloaded_bytes > 0, st.format()
     _, st, _, _ = _run(_plan(0, 1 << 20))
-    assert st.waited_reloads == 6  # all on the host: the last layer's reloads have nothing before them
+    assert st.waited_reloads == 7  # all on the host: the last layer's reloads have nothing before them
 
 
 def test_the_per_region_share_decides_what_is_recomputed():
     """Each region may keep (host_bytes + gpu_bytes) / layers; below a value's size it is recomputed in
     every layer (the graph is shared), and the step never needs more than the budgets."""
-    share = 4 * (6144 + 3072 + 384 + 100)  # the addmm, one mm / bmm and the small bmm per region
+    share = 4 * (INPUT + 6144 + 3072 + 384 + 100)  # the input, the addmm, one mm / bmm and the small bmm
     grads, st, rows, be = _run(_plan(0, share))
-    actions = {d.name: d.action for d in be.reports[0].decisions}
+    actions = {d.name: d.action for d in be.reports[0].decisions if d.op != "input"}
     assert sorted(a for a in actions.values()) == ["offload"] * 3 + ["recompute"] * 3, actions
     assert st.offloaded_bytes <= share
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(grads[-1], _eager()))
@@ -142,6 +144,9 @@ def test_model_plan_checks_its_arguments():
         sacpass.ModelPlan(layers=2, host_bytes=1.5)
     assert sacpass.backend(plan=sacpass.ModelPlan(layers=3)).config.plan == sacpass.ModelPlan(layers=3)
     assert sacpass.ModelPlan(layers=3, gpu_bytes=1).key != sacpass.ModelPlan(layers=3).key
+    assert sacpass.ModelPlan(layers=3, inputs=False).key != sacpass.ModelPlan(layers=3).key
+    with pytest.raises(sacpass.BackendOptionError, match="inputs"):
+        sacpass.ModelPlan(layers=2, inputs=1)
 
 
 def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
@@ -157,7 +162,78 @@ def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
     body = forward[forward.index("def call("):].splitlines()
     stashes = [i for i, line in enumerate(body) if "sacpass.stash.default(" in line]
     work = [i for i, line in enumerate(body) if "extern_kernels." in line or "cpp_fused" in line]
-    assert len(stashes) == 6 and work and min(stashes) > max(work), "\n".join(body)
+    assert len(stashes) == 7 and work and min(stashes) > max(work), "\n".join(body)
     ref = _eager()
     for g in grads:
         assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(g, ref))
+
+
+def _forward_keeping_input_refs(model, x):
+    """Run the forward; returns (output, weak references to each layer's input)."""
+    import weakref
+
+    refs = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
+             for layer in model.layers]
+    try:
+        out = model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, refs
+
+
+@pytest.mark.parametrize("gpu,host,inputs,alive", [
+    (0, 1 << 20, True, [False, False, False]),             # every input sent to the host: freed after the forward
+    (REGION, 1 << 20, True, [False, False, True]),          # the last layer's stays: its backward comes first
+    (0, 1 << 20, False, [True, True, True]),                # inputs=False: kept on the device, as without a plan
+])
+def test_activation_inputs_are_placed_like_the_planned_values(gpu, host, inputs, alive):
+    """A decoder layer's input is what activation checkpointing keeps for every layer; a model plan places it
+    (freed on the device once copied to the host) unless inputs=False. The parameters never move."""
+    plan = _plan(gpu, host, inputs=inputs)
+    with no_compile_caches():
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        model = CompiledStack(be, LAYERS, 0)
+        _step(model, _x())                                   # the measuring step
+        model.zero_grad(set_to_none=True)
+        x = _x().requires_grad_(True)
+        out, refs = _forward_keeping_input_refs(model, x)
+        assert [r() is not None for r in refs[1:]] == alive  # layers 1-3: the inputs only the graphs keep
+        out.square().sum().backward()
+    report = be.reports[0]
+    rows = {s.name: s for s in report.saved}
+    placed = [s for s in report.saved if s.op == "input" and s.reason == "offload"]
+    assert [s.shape for s in placed] == ([("24", "32")] if inputs else [])
+    assert [s.reason for s in report.saved if s.op == "input" and s.shape == ("24", "32")] == ["offload" if inputs else "graph input"]
+    params = {tuple(map(str, p.shape)) for p in model.layers[0].parameters()}
+    weights = [s for s in rows.values() if s.op == "input" and s.shape != ("24", "32")]
+    assert weights and all(s.reason == "graph input" and s.shape in params for s in weights)
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+               for a, b in zip([p.grad for p in model.parameters() if p.grad is not None] + [x.grad], _eager()))
+
+
+def test_a_kept_input_written_in_place_before_the_backward_is_refused():
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=_plan(4 * REGION + 4096, 0)), LAYERS, 0)
+        _step(model, _x())
+        x = _x().requires_grad_(True)
+        h = x * 1.0
+        loss = model(h).square().sum()
+        with torch.no_grad():
+            h.add_(1.0)
+        with pytest.raises(sacpass.OffloadError, match=r"modified in place after the forward"):
+            loss.backward()
+
+
+def test_activation_inputs_need_aot_autograd_s_static_inputs():
+    """Without the list of static inputs (parameters, buffers) nothing tells a weight from an activation:
+    no input is placed."""
+    from sacpass.passes.offload import activation_inputs
+
+    gm = torch.fx.symbolic_trace(lambda w, x: (x @ w).sum())
+    for n in gm.graph.find_nodes(op="placeholder"):
+        n.meta["val"] = torch.empty(4, 4)
+    assert activation_inputs(gm, None) == []
+    assert activation_inputs(gm, [0]) == ["x"]
+    assert activation_inputs(gm, [0], min_bytes=65) == []

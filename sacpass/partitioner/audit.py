@@ -91,10 +91,10 @@ def _reasons(tags: TagResult, facts: dict[str, NodeFacts], final_tags: dict[str,
         info = facts.get(name)
         if info is None:
             return MIN_CUT, "", None
+        if name in offloaded:  # a model plan places activation inputs too
+            return OFFLOAD, offloaded[name], None
         if info.is_input:
             return GRAPH_INPUT, "", None
-        if name in offloaded:
-            return OFFLOAD, offloaded[name], None
         cur, hops = info, 0
         while cur is not None:  # a view or cast of a tagged value carries its reason
             if cur.name in tagged:

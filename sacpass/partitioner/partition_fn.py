@@ -1,7 +1,7 @@
 """The partition function: one pass through, in order.
 
-    tag the policy -> keep discrete decisions -> plan (budget / planner) -> PyTorch's min-cut
-    -> offload -> audit -> Report
+    tag the policy -> keep discrete decisions -> plan (budget / planner; a model plan's activation inputs)
+    -> PyTorch's min-cut -> offload -> audit -> Report
 
 A thin layer over ``min_cut_rematerialization_partition``: sacpass only adds tags PyTorch already reads
 (and, after the min-cut, moves offloaded values to the host). The partition finds its compile's
@@ -18,8 +18,8 @@ import torch.fx
 from ..errors import MustSaveViolation, SacpassError, warn
 from ..nodes import snapshot, tag_name
 from ..passes.discrete import keep_decisions_pass
-from ..passes.offload import offload_marks, offload_pass
-from ..passes.plan import plan_pass, release_regions
+from ..passes.offload import activation_inputs, offload_marks, offload_pass
+from ..passes.plan import has_region, plan_pass, release_regions
 from ..passes.tag_policy import tag_policy_pass
 from ..plan import ModelPlan
 from ..selectors import DiscreteSelector
@@ -89,7 +89,10 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     cfg = ctx.config
     tags = tag_policy_pass(gm, cfg.policy)
     keep_decisions_pass(gm, tags)
-    decisions = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan)
+    model_plan = cfg.plan.key if isinstance(cfg.plan, ModelPlan) else ""  # registered by as_plan
+    inputs = activation_inputs(gm, kwargs.get("static_lifetime_input_indices"), cfg.plan.min_offload_bytes) \
+        if model_plan and cfg.plan.inputs and has_region(gm.graph) else []
+    decisions = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan, inputs=inputs)
     budget = None
     if cfg.plan is not None:
         budget = 1.0
@@ -103,8 +106,7 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     text = joint_text(gm)
     marks = offload_marks(gm)
     fw, bw = _min_cut(gm, joint_inputs, budget, **kwargs)
-    model_plan = cfg.plan.key if isinstance(cfg.plan, ModelPlan) else ""  # registered by as_plan
-    offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0), model_plan)
+    offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0), model_plan, inputs)
     final_tags = {n.name: tag_name(n) for n in gm.graph.nodes}  # the min-cut adds MUST_SAVE at region edges
     decisions = _settle(decisions, bw, facts)
     audit = audit_partition(gm, facts, fw, bw, tags, offloaded)

@@ -11,8 +11,9 @@ the value's memory while the copy reads it; the copy then overlaps the next laye
 and ``sacpass::reload(host, device)`` before its first use feeds every former user. With a model plan
 (``model_plan``, its key), the values the planner chose go through ``sacpass::stash`` / ``sacpass::unstash``
 instead: the forward saves a handle, and the runtime places each value per call (device or host), so layers
-that share the graph place theirs differently (:mod:`sacpass.offload`). The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's
-vocabulary) for printing. Returns {saved name: selector} of what it offloaded.
+that share the graph place theirs differently (:mod:`sacpass.offload`); so do the graph inputs named in
+``inputs`` that the backward receives (:func:`activation_inputs`: a layer's hidden states, not its
+parameters). The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's vocabulary) for printing. Returns {saved name: selector} of what it offloaded.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import offload as _ops  # noqa: F401  (registers torch.ops.sacpass.offload / reload)
-from ..nodes import is_cast_or_view
+from ..nodes import is_cast_or_view, tensor_nbytes
 from .tag_policy import OFFLOAD_KEY
 
-__all__ = ["offload_pass", "offload_marks"]
+__all__ = ["offload_pass", "offload_marks", "activation_inputs"]
 
 
 def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
@@ -40,6 +41,23 @@ def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
     return marks
 
 
+def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: int = 0) -> list[str]:
+    """The joint graph's primal inputs that are activations: dense tensors of at least ``min_bytes`` that are not
+    among ``static_indices`` (AOTAutograd's static inputs: parameters and buffers) and that the graph does not
+    write into. With ``static_indices`` None (a caller that does not say which inputs are parameters) none are:
+    a parameter must never be moved to the host."""
+    if static_indices is None:
+        return []
+    static = set(static_indices)
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    written = {n.args[0] for n in joint.graph.nodes if n.op == "call_function" and
+               getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable and n.args}
+    return [n.name for i, n in enumerate(primals)
+            if i not in static and n not in written and isinstance(n.meta.get("val"), torch.Tensor)
+            and torch._prims_common.is_non_overlapping_and_dense_or_false(n.meta["val"])
+            and tensor_nbytes(n.meta["val"]) >= min_bytes]
+
+
 def _insert(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, name: str) -> torch.fx.Node:
     """``op(*args)`` as a node before ``before``, its ``val`` from the op's fake on the arguments' values."""
     with graph.inserting_before(before):
@@ -49,9 +67,10 @@ def _insert(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, name:
 
 
 def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, marks: dict[str, str],
-                 num_fwd_outputs: int, model_plan: str = "") -> dict[str, str]:
+                 num_fwd_outputs: int, model_plan: str = "", inputs=()) -> dict[str, str]:
     """Rewrite ``forward`` and ``backward`` (see the module docstring)."""
-    if not marks:
+    inputs = set(inputs) if model_plan else set()
+    if not marks and not inputs:
         return {}
     out_node = forward.graph.find_nodes(op="output")[0]
     outputs = list(out_node.args[0])
@@ -61,14 +80,20 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
     index = 0
     fw_order = {n: i for i, n in enumerate(forward.graph.nodes)}
     bw_order = {n: i for i, n in enumerate(backward.graph.nodes)}
+    def chosen(node) -> bool:  # a marked value, or an activation input the model plan places (not returned)
+        return node.name in inputs and node not in real_outputs if node.op == "placeholder" else node.name in marks
+
     saved = sorted(((pos, node) for pos, node in enumerate(outputs) if pos >= num_fwd_outputs
-                    and isinstance(node, torch.fx.Node) and node.name in marks and node.op != "placeholder"
+                    and isinstance(node, torch.fx.Node) and chosen(node)
                     and isinstance(node.meta.get("val"), torch.Tensor) and node.name in bw_inputs),
                    key=lambda pn: fw_order[pn[1]])
+
     def is_placed(node: torch.fx.Node) -> bool:
         """A model plan's value waits where its runtime places it; a value the caller also gets back (or a view
         of one) is never handed to the backward as its own, so it is offloaded."""
-        return bool(model_plan) and marks[node.name] == "plan" and node not in real_outputs and \
+        if node.op == "placeholder":
+            return True
+        return bool(model_plan) and node not in real_outputs and marks[node.name] == "plan" and \
             not (is_cast_or_view(node) and node.all_input_nodes and node.all_input_nodes[0] in real_outputs)
 
     placed = {node for _, node in saved if is_placed(node)}
@@ -87,7 +112,8 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
             host = _insert(forward.graph, out_node, torch.ops.sacpass.offload.default, (node, index),
                            f"{node.name}_offload")
             index += 1
-        node.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
+        if node.op != "placeholder":
+            node.meta["recompute"] = CheckpointPolicy.MUST_CPU_OFFLOAD
         outputs[pos] = host
         placeholder.meta["val"] = host.meta["val"]
         first = min(placeholder.users, key=bw_order.__getitem__, default=None)
@@ -102,7 +128,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         for user in list(placeholder.users):
             if user is not back:
                 user.replace_input_with(placeholder, back)
-        done[node.name] = marks[node.name]
+        done[node.name] = marks.get(node.name, "plan")
     out_node.args = (tuple(outputs),) + tuple(out_node.args[1:])
     forward.graph.lint()
     backward.graph.lint()

@@ -38,7 +38,7 @@ from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
 from .tag_policy import OFFLOAD, TagResult
 
-__all__ = ["plan_pass", "release_regions", "node_seconds"]
+__all__ = ["plan_pass", "release_regions", "node_seconds", "has_region"]
 
 
 def _meta(val):
@@ -98,6 +98,11 @@ class _Candidate:
 
 def _in_region(node: torch.fx.Node) -> bool:
     return node.meta.get("recompute") is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def has_region(graph: torch.fx.Graph) -> bool:
+    """Whether the graph holds a checkpointed region the planner can plan."""
+    return any(_in_region(n) for n in graph.nodes)
 
 
 def _base(node: torch.fx.Node) -> torch.fx.Node:
@@ -195,19 +200,34 @@ def _check_host_limit(plan: Plan) -> None:
              f"offloads that much raises OffloadError. Lower Plan(host_bytes=...) or raise the limit.")
 
 
+def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel) -> list[Decision]:
+    """The activation inputs a model plan places (the offload pass stashes them): one Decision each."""
+    by_name = {n.name: n for n in graph.find_nodes(op="placeholder")}
+    out = []
+    for name in inputs:
+        nbytes = tensor_nbytes(by_name[name].meta["val"])
+        out.append(Decision(name=name, op="input", module="", bytes=nbytes, action="offload", recompute_ms=0.0,
+                            copy_ms=1e3 * cost.copy_seconds(nbytes),
+                            why="a region input: the model plan places it (device or host) per region"))
+    return out
+
+
 def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
-              plan: Plan | None) -> tuple[Decision, ...]:
+              plan: Plan | None, inputs=()) -> tuple[Decision, ...]:
     """Tag the candidates (see the module docstring); returns one Decision per candidate. A memory budget
-    without a plan is left to PyTorch's solver (see :func:`release_regions`); this pass then does nothing."""
+    without a plan is left to PyTorch's solver (see :func:`release_regions`); this pass then does nothing.
+    ``inputs``: the graph inputs a :class:`ModelPlan` places (their bytes come out of the region's share)."""
     if plan is None:
         return ()
-    if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
-        plan = plan.region_plan()
     graph = gm.graph
+    placed_inputs: list[Decision] = []
+    if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
+        placed_inputs = _input_decisions(graph, inputs, plan.cost)
+        plan = plan.region_plan(sum(d.bytes for d in placed_inputs))
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()
     cands = _candidates(graph, backward)
-    if not any(_in_region(n) for n in graph.nodes):
+    if not has_region(graph):
         warn("sacpass: the planner chooses what checkpointed regions keep; this graph has no checkpointed "
              "region, so PyTorch's partitioner decides it alone. Wrap the layers in torch.utils.checkpoint inside "
              "the compiled function to plan them.")
@@ -220,7 +240,7 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     forward_s = sum(node_seconds(n, cost) for n in graph.nodes if n.op == "call_function" and n not in backward)
     copy_left = plan.hide * forward_s * cost.copy_bytes_per_s
     keep_reason = PLAN
-    decisions = []
+    decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
         copy_ms = 1e3 * cost.copy_seconds(c.nbytes)
         if c.nbytes <= gpu_left:
