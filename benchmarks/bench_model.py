@@ -19,7 +19,9 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib)``: one plan for all
 layers, placed per layer at run time). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05. ``--profile`` adds one profiled step
-per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline.
+per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline. ``--append``
+adds the variants to ``--out``'s, for a sweep that spans several commands on one machine (each row keeps its
+command; ratios are against the file's control).
 """
 from __future__ import annotations
 
@@ -231,15 +233,28 @@ def main(argv=None) -> dict:
     p.add_argument("--no-fp8", action="store_true")
     add_experts_option(p)
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
+    p.add_argument("--append", action="store_true",
+                   help="add these variants to --out's (a sweep over several commands on one machine); ratios are "
+                        "taken against the control in the file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     table = backends(args)
-    result = {"command": " ".join(sys.argv), "torch": torch.__version__, "args": vars(args),
+    command = "python3 " + " ".join(sys.argv)
+    result = {"command": command, "torch": torch.__version__, "args": vars(args),
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": {}}
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            result = json.load(f)
+        before = result["command"] if isinstance(result["command"], list) else [result["command"]]
+        result["command"] = before + [command]
+        if result.get("torch") != torch.__version__:
+            raise SystemExit(f"--append: {args.out} was measured with torch {result.get('torch')}, this is "
+                             f"{torch.__version__}; measure into a new file")
     for name in args.variants.split(","):
         try:
             result["variants"][name] = measure(args, name, table[split_variant(name)[0]], device, dtype)
+            result["variants"][name]["command"] = command
         except torch.cuda.OutOfMemoryError as e:
             result["variants"][name] = {"status": "oom", "error": str(e)[:300]}
             gc.collect()

@@ -29,6 +29,23 @@ def _model_panel(result: dict) -> list[tuple[str, dict]]:
     return [(f"{args.get('layers')} layers, S={args.get('seq', 0) // 1024}K (s)", points)] if points else []
 
 
+def solver_note(points: dict) -> str:
+    """Where PyTorch's budget solver stops, against control's peak and the lowest sacpass plan: '' when the panel
+    has no solver point."""
+    solver = {v: p for v, p in points.items() if v.startswith("pytorch_budget")}
+    plans = {v: p for v, p in points.items() if v.startswith(("model_plan", "plan"))}
+    if not solver:
+        return ""
+    low = min(solver.values())
+    text = ("dashed: control's peak\n" if "control" in points else "") + \
+        f"PyTorch's solver: lowest peak {low[0]:.1f} GiB"
+    if "control" in points and low[0] > points["control"][0]:
+        text += "\n(never down to control's)"
+    if plans:
+        text += f"\nsacpass plans: lowest peak {min(plans.values())[0]:.1f} GiB"
+    return text
+
+
 def panels(results: list[dict]) -> list[tuple[str, dict]]:
     """One panel per layer-benchmark length and one per model benchmark, in the order given."""
     out = []
@@ -49,6 +66,11 @@ def draw(panel_list: list[tuple[str, dict]], path: str, title: str = "memory-spe
         for variant, (peak, t) in sorted(points.items()):
             ax.scatter(peak, t, s=30)
             ax.annotate(variant, (peak, t), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        note = solver_note(points)
+        if "control" in points:
+            ax.axvline(points["control"][0], color="grey", lw=0.8, ls="--")
+        if note:
+            ax.text(0.98, 0.98, note, transform=ax.transAxes, fontsize=6.5, va="top", ha="right")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("peak allocated (GiB)")
         ax.set_ylabel("step time")

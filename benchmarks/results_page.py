@@ -32,7 +32,7 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json
          "sparse_mla_bwd_dkv_layouts_64heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
          "layer_16k_128k_h200.json", "profile_layer_64k_fp8experts_h200.json", "frontier_1layer_h200.json",
          "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
-         "budget_solvers_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
+         "allocator_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
 VARIANT_LABELS = {"default": "default"}
 
@@ -284,10 +284,11 @@ def r_model(e, plots):
     for v, m in vs.items():
         off = m.get("offload", {})
         rows.append([f"`{v}`", f(m["step_ms_median"] / 1e3), f(m["step_ms_median"] / ctrl, ".3f") if ctrl else "-",
-                     f(m.get("peak_allocated_gib")), f(off.get("gib_per_step_each_way"), ".1f"),
+                     f(m.get("peak_allocated_gib")), f(m.get("peak_reserved_gib")),
+                     f(off.get("gib_per_step_each_way"), ".1f"),
                      f(100 * off["prefetched_share"], ".1f") + "%" if off.get("gib_per_step_each_way") else "-",
                      m.get("bw_topk_runs_first_step", "-"), f(m.get("loss"), ".4f")])
-    out += table(["variant", "step s", "/ control", "peak GiB", "host GiB per step (each way)",
+    out += table(["variant", "step s", "/ control", "peak GiB", "peak reserved GiB", "host GiB per step (each way)",
                   "reloads prefetched", "bwd top-k runs", "loss"], rows)
     if e["meta"].get("plot") == "frontier":
         layer = [x for x in _ENTRIES if x["meta"].get("plot") == "frontier" and x["meta"]["kind"] == "layer"]
