@@ -3,7 +3,9 @@ backward, and prefetch across the per-layer compiled graphs.
 
 Two custom ops, inserted by :mod:`sacpass.passes.offload` into the partitioned graphs:
 
-- ``sacpass::offload(Tensor x, int index) -> Tensor``: in the forward, right after ``x`` is produced. Copies
+- ``sacpass::offload(Tensor x, int index, Tensor[] after) -> Tensor``: in the forward, after all of the
+  forward's work (``after``, the forward's other outputs, is read by nothing but orders it there: a compiler
+  that ran it earlier could reuse ``x``'s memory for a later buffer while the copy still reads it). Copies
   ``x`` into a block of sacpass's host pool on a side stream (the compute stream does not wait) and returns the
   host tensor, which the forward saves instead of ``x``. ``x.record_stream`` lets the allocator reuse ``x``'s
   memory only after the copy. ``index`` is the op's position in its graph; index 0 opens a new *bundle* (one
@@ -484,8 +486,9 @@ def _begin_backward(bundle: _Bundle, device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------------------------ ops
 @torch.library.custom_op("sacpass::offload", mutates_args=())
-def offload(x: Tensor, index: int) -> Tensor:
-    """Copy ``x`` to sacpass's host pool without making the compute stream wait; see the module docstring."""
+def offload(x: Tensor, index: int, after: list[Tensor]) -> Tensor:
+    """Copy ``x`` to sacpass's host pool without making the compute stream wait; see the module docstring.
+    ``after`` is not read: it orders the op after the forward's other outputs."""
     shape, stride, nbytes = _host_layout(x)
     if nbytes == 0:
         return torch.empty_strided(shape, stride, dtype=x.dtype, device="cpu")
@@ -513,7 +516,7 @@ def offload(x: Tensor, index: int) -> Tensor:
 
 
 @offload.register_fake
-def _(x, index):
+def _(x, index, after):
     if torch._prims_common.is_non_overlapping_and_dense_or_false(x):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
@@ -757,7 +760,7 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
             _STASHED[key] = _Stashed(x, mark, on_host=False, source=weakref.ref(x), version=x._version)
             return _handle(key)
         first, mark.bundled = not mark.bundled, True
-        host = offload(x, 0 if first else 1)  # index 0: the region's first host value opens its bundle
+        host = offload(x, 0 if first else 1, [])  # index 0: the region's first host value opens its bundle
         _STASHED[key] = _Stashed(host, mark, on_host=True, source=weakref.ref(x), version=x._version)
     return _handle(key)
 

@@ -47,6 +47,27 @@ def toy():
 
 
 # -------------------------------------------------------------------------------------------- offload
+def test_inductor_runs_every_offload_after_the_forward_s_work(toy):
+    """An offload's async copy still reads its value when the op returns: were it scheduled before other forward
+    work, Inductor could hand the value's buffer to a later kernel. Each offload reads the forward's other
+    outputs (unread), so the generated forward issues them last; pinned on that code, and on eager's grads.
+    (This CPU toy keeps its offloads last even without that argument; the model plan's stash, whose output
+    weighs nothing, was moved, and its test in test_model_plan.py fails without the same guard.)"""
+    from torch._inductor.utils import run_and_get_code
+
+    layer, x = toy
+    be = sacpass.backend(inner="inductor", offload=["aten::addmm", "aten::mm"])
+    (out, grads, _), codes = run_and_get_code(lambda: _run(be, layer, x))
+    forward = next(c for c in codes if "sacpass.offload.default(" in c)
+    body = forward[forward.index("def call("):].splitlines()
+    offloads = [i for i, line in enumerate(body) if "sacpass.offload.default(" in line]
+    work = [i for i, line in enumerate(body) if "extern_kernels." in line or "cpp_fused" in line]
+    assert len(offloads) >= 2 and work and min(offloads) > max(work), "\n".join(body)
+    ref_out, ref_grads = _reference(layer, x)
+    assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert_close_lists(grads, ref_grads, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_offload_matches_eager_and_is_never_recomputed(toy, inner):
     model, x = toy

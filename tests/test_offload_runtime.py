@@ -181,7 +181,7 @@ ODD = [(1000,), (3, 333), (77, 91), (5,), (4097,)]
 
 
 def _offload_all(shapes, index0=True):
-    return [torch.ops.sacpass.offload(torch.randn(*s), 0 if (index0 and i == 0) else i) for i, s in enumerate(shapes)]
+    return [torch.ops.sacpass.offload(torch.randn(*s), 0 if (index0 and i == 0) else i, []) for i, s in enumerate(shapes)]
 
 
 def test_the_pool_counts_the_bytes_it_really_holds():
@@ -204,7 +204,7 @@ def test_the_pool_counts_the_bytes_it_really_holds():
 def test_offloaded_values_round_trip_exactly():
     xs = [torch.randn(7, 13), torch.randn(64, 64).t(), torch.randint(0, 9, (33,), dtype=torch.int32),
           torch.randn(10, 10)[:, ::2], torch.rand(5) > 0.5, torch.randn(3, 5).to(torch.bfloat16)]
-    hosts = [torch.ops.sacpass.offload(x, i) for i, x in enumerate(xs)]
+    hosts = [torch.ops.sacpass.offload(x, i, []) for i, x in enumerate(xs)]
     for x, h in zip(xs, hosts):
         back = torch.ops.sacpass.reload(h, torch.device("cpu"))
         assert back.dtype == x.dtype and back.shape == x.shape and torch.equal(back, x)

@@ -5,15 +5,18 @@ Requires: the forward and backward graphs of one partition; the joint graph's no
 ``meta["sacpass_offload"]`` marks the values to offload (set by the tag pass or the planner); the number of
 real forward outputs (``num_fwd_outputs``; the saved values follow them in the forward's output tuple).
 Ensures: for each saved tensor that is a marked value, or a view or cast of one, the forward computes
-``host = sacpass::offload(value, i)`` as its last op, after every use of the value (so no compiler can reuse
-the value's memory while the copy reads it; the copy then overlaps the next layer's forward), and saves
-``host`` instead (real outputs keep the device tensor); the backward's placeholder becomes that host tensor,
-and ``sacpass::reload(host, device)`` before its first use feeds every former user. With a model plan
+``host = sacpass::offload(value, i, after)`` as its last op, after every use of the value and, through
+``after`` (the forward's other outputs, which it does not read), after all of the forward's work, so no
+compiler can move it up and reuse the value's memory while the copy reads it (the copy then overlaps the next
+layer's forward), and saves ``host`` instead (real outputs keep the device tensor); the backward's
+placeholder becomes that host tensor, and ``sacpass::reload(host, device)`` before its first use feeds every
+former user. With a model plan
 (``model_plan``, its key), the values the planner chose go through ``sacpass::stash`` / ``sacpass::unstash``
 instead: the forward saves a handle, and the runtime places each value per call (device or host), so layers
 that share the graph place theirs differently (:mod:`sacpass.offload`); so do the graph inputs named in
 ``inputs`` that the backward receives (:func:`activation_inputs`: a layer's hidden states, not its
-parameters). The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's vocabulary) for printing. Returns {saved name: selector} of what it offloaded.
+parameters). The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's vocabulary) for printing.
+Returns {saved name: selector} of what it offloaded.
 """
 from __future__ import annotations
 
@@ -109,7 +112,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
             placeholder.meta["sacpass_stashed"] = val  # what the handle stands for (the report's row)
             stashed += 1
         else:
-            host = _insert(forward.graph, out_node, torch.ops.sacpass.offload.default, (node, index),
+            host = _insert(forward.graph, out_node, torch.ops.sacpass.offload.default, (node, index, after),
                            f"{node.name}_offload")
             index += 1
         if node.op != "placeholder":
