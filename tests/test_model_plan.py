@@ -237,3 +237,42 @@ def test_activation_inputs_need_aot_autograd_s_static_inputs():
     assert activation_inputs(gm, None) == []
     assert activation_inputs(gm, [0]) == ["x"]
     assert activation_inputs(gm, [0], min_bytes=65) == []
+
+
+def test_glm_layers_place_their_hidden_states_and_the_shared_top_k_ids_and_match_eager():
+    """The GLM-5.2 tiny model: every decoder layer's hidden states, and the top-k IDs a shared-top-k layer
+    receives from the layer before, are placed per layer (the last layer's on the device, the rest on the
+    host); the loss and gradients equal eager's in the measuring step and in the placed ones."""
+    import copy
+
+    from glm52_model import GLM52Config, GLM52ForCausalLM
+    from glm52_model.compile import apply_compile
+
+    torch.manual_seed(0)
+    eager = GLM52ForCausalLM(GLM52Config.tiny(num_layers=4, mtp_layers=0))
+    cfg = eager.cfg
+    assert not cfg.is_full_topk_layer(2) and cfg.is_full_topk_layer(1)  # layer 2 reads layer 1's IDs
+    plan = sacpass.ModelPlan(layers=4, gpu_bytes=1 << 20, host_bytes=1 << 24, min_offload_bytes=0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    eager.zero_grad()
+    loss_e = eager(ids, labels=ids)
+    loss_e.backward()
+    g_e = {n: p.grad.clone() for n, p in eager.named_parameters() if p.grad is not None}
+    with no_compile_caches():
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        model = apply_compile(copy.deepcopy(eager), backend=be, fullgraph=True)
+        for _ in range(3):  # measuring, placed, placed (placements() reads the last complete step)
+            rt.reset_stats()
+            model.zero_grad(set_to_none=True)
+            loss = model(ids, labels=ids)
+            loss.backward()
+            torch.testing.assert_close(loss, loss_e, rtol=1e-5, atol=1e-5)
+            for n, p in model.named_parameters():
+                if n in g_e:
+                    torch.testing.assert_close(p.grad, g_e[n], rtol=1e-4, atol=1e-5, msg=n)
+    rows = rt.placements(plan)
+    assert [r["region"] for r in rows] == [0, 1, 2, 3]
+    assert rows[3]["host_bytes"] == 0 < rows[3]["device_bytes"] and all(r["host_bytes"] > 0 for r in rows[:3]), rows
+    inputs = [(s.dtype, s.reason) for r in be.reports for s in r.saved if s.op == "input" and s.reason == "offload"]
+    assert ("int32", "offload") in inputs and ("float32", "offload") in inputs, inputs
+    assert rt.stats().bundles_alive == 0 and rt.stats().host_bytes_alive == 0
