@@ -589,6 +589,8 @@ class _Stashed:
     value: Tensor | None  # the device tensor kept, or the host tensor of the pool (offload's)
     mark: _Mark
     on_host: bool
+    placement: "_Placement"  # the plan that placed it
+    position: int  # its region's, in the step
     source: "weakref.ref[Tensor]"  # the value stashed, while something else keeps it (a graph input's caller)
     version: int  # its version then: an in-place write before the backward is refused, as autograd does
     consumed: bool = False
@@ -622,12 +624,17 @@ class _Placement:
     last: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # the step before: where, bytes
     host_used: int = 0  # this step
     device_used: int = 0
+    copy_bytes_per_s: float = 0.0  # the plan's cost model: a region's expected copy time, beside the measured
+    waited: dict[int, int] = field(default_factory=dict)  # this step: region -> reloads not prefetched
+    last_waited: dict[int, int] = field(default_factory=dict)  # the step before
 
     def new_step(self) -> None:
         if self.recording:
             self.table = self.solve(self.recording)
             self.last = dict(self.placed)
+            self.last_waited = dict(self.waited)
         self.recording, self.placed, self.host_used, self.device_used = {}, {}, 0, 0
+        self.waited = {}
 
     def solve(self, sizes: dict[tuple[int, int], int]) -> dict[tuple[int, int], str]:
         """From the last region back, keep values on the device while ``gpu_bytes`` lasts; the rest to the host.
@@ -684,30 +691,41 @@ def register_placement(plan) -> str:
     """The runtime side of a :class:`~sacpass.ModelPlan` (one per budget set; equal plans share it)."""
     with _lock:
         if plan.key not in _PLACEMENTS:
-            _PLACEMENTS[plan.key] = _Placement(plan.layers, plan.gpu_bytes, plan.host_budget())
+            _PLACEMENTS[plan.key] = _Placement(plan.layers, plan.gpu_bytes, plan.host_budget(),
+                                               copy_bytes_per_s=plan.cost.copy_bytes_per_s)
     return plan.key
 
 
 def placements(plan=None) -> list[dict]:
     """Where the last complete step put each planned value: one row per region, in step order, with the bytes
-    kept on the device and sent to the host (the plan's, or every registered plan's)."""
+    kept on the device and sent to the host, the expected copy time of those host bytes each way (the plan's
+    cost model), and, measured, how many of the region's reloads had no prefetch to hide behind (its backward
+    waited for them) (the plan's, or every registered plan's)."""
     with _lock:
         chosen = [_PLACEMENTS[plan.key]] if plan is not None and plan.key in _PLACEMENTS else \
             list(_PLACEMENTS.values())
         rows: dict[int, dict] = {}
         for pl in chosen:
+            complete = bool(pl.last)
             for (pos, _), (where, nbytes) in sorted((pl.last or pl.placed).items()):
-                row = rows.setdefault(pos, {"region": pos, "device_bytes": 0, "host_bytes": 0, "values": 0})
+                row = rows.setdefault(pos, {"region": pos, "device_bytes": 0, "host_bytes": 0, "values": 0,
+                                            "copy_ms_expected": 0.0, "reloads_waited": 0})
                 row[f"{where}_bytes"] += nbytes
                 row["values"] += 1
+                if where == "host" and pl.copy_bytes_per_s:
+                    row["copy_ms_expected"] += 1e3 * nbytes / pl.copy_bytes_per_s
+            for pos, n in (pl.last_waited if complete else pl.waited).items():
+                if pos in rows:
+                    rows[pos]["reloads_waited"] += n
         return [rows[p] for p in sorted(rows)]
 
 
 def format_placements(plan=None) -> str:
     gib = 2 ** 30
-    lines = ["region  values  device GiB  host GiB"]
+    lines = ["region  values  device GiB  host GiB  copy ms (expected, each way)  reloads waited (measured)"]
     for r in placements(plan):
-        lines.append(f"{r['region']:>6}  {r['values']:>6}  {r['device_bytes'] / gib:>10.3f}  {r['host_bytes'] / gib:>8.3f}")
+        lines.append(f"{r['region']:>6}  {r['values']:>6}  {r['device_bytes'] / gib:>10.3f}  {r['host_bytes'] / gib:>8.3f}"
+                     f"  {r['copy_ms_expected']:>28.2f}  {r['reloads_waited']:>25}")
     return "\n".join(lines)
 
 
@@ -757,11 +775,13 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
         key = next(_HANDLE_IDS)
         if where == "device":
             _STATS.kept_bytes += nbytes
-            _STASHED[key] = _Stashed(x, mark, on_host=False, source=weakref.ref(x), version=x._version)
+            _STASHED[key] = _Stashed(x, mark, on_host=False, placement=placement, position=position, source=weakref.ref(x),
+                                     version=x._version)
             return _handle(key)
         first, mark.bundled = not mark.bundled, True
         host = offload(x, 0 if first else 1, [])  # index 0: the region's first host value opens its bundle
-        _STASHED[key] = _Stashed(host, mark, on_host=True, source=weakref.ref(x), version=x._version)
+        _STASHED[key] = _Stashed(host, mark, on_host=True, placement=placement, position=position, source=weakref.ref(x),
+                                 version=x._version)
     return _handle(key)
 
 
@@ -800,6 +820,10 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
                 out = out.clone()
             return out
         host = item.value
+        entry = _ENTRIES.get(host.data_ptr()) if host.numel() else None
+        if entry is not None and not entry.bundle.issued:  # this region's copies start now: its backward waits
+            waited = item.placement.waited
+            waited[item.position] = waited.get(item.position, 0) + len(entry.bundle.entries())
     return reload(host, device)
 
 
