@@ -65,6 +65,7 @@ class Decision:
     recompute_ms: float  # estimated time to recompute it (and what only it needs) in the backward
     copy_ms: float  # estimated time to move it to the host and back, each way
     why: str  # one line: the rule that decided
+    form: tuple[str, ...] = ()  # kept in its place: the nodes of its smaller exact form (empty: the node itself)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,8 @@ def format_report(report: Report, *, verbose: bool = False) -> str:
         lines.append("planned: " + ", ".join(f"{n} {a}" for a, n in sorted(by_action.items())))
         if verbose:
             for d in report.decisions:
-                lines.append(f"  {d.action:<9} {d.name} {d.op} {format_bytes(d.bytes)}: recompute "
+                form = f" as {', '.join(d.form)}" if d.form and d.action in ("save", "offload") else ""
+                lines.append(f"  {d.action:<9} {d.name}{form} {d.op} {format_bytes(d.bytes)}: recompute "
                              f"{d.recompute_ms:.3f} ms, copy {d.copy_ms:.3f} ms; {d.why}")
     if report.routed_checkpoints:
         lines.append(f"plain checkpoints tagged the torch 2.13 way (ops inside autograd.Functions recomputed): "

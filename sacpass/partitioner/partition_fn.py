@@ -77,7 +77,7 @@ def _settle(decisions, bw: torch.fx.GraphModule, facts) -> tuple:
     def kept(name: str) -> bool:  # the node, or one of its getitems / views, is a backward input
         return any(s == name or (facts.get(s) is not None and facts[s].parent == name) for s in saved)
 
-    return tuple(d if d.action == "recompute" or kept(d.name) else
+    return tuple(d if d.action == "recompute" or any(kept(n) for n in d.form or (d.name,)) else
                  dataclasses.replace(d, action="unneeded", why="the backward reads a value derived from it, "
                                      "which the partition keeps for another reason")
                  for d in decisions)

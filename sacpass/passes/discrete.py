@@ -13,6 +13,9 @@ cummin) that also returns the selected *values*:
   is used (``MUST_RECOMPUTE``), so the backward loads half the bytes. Indices along a dim of 2**31 or more
   elements are left int64.
 
+A selection op an ``offload=`` selector chose (reason ``offload``) gets the same int32 form of its indices,
+offloaded in place of the int64 ones (half the bytes each way); its values are left as they are.
+
 Other discrete ops (argmax, argmin, searchsorted, custom ops with integer outputs) are left as the tag pass
 left them. Returns the records of the nodes this pass added, and the names of value getitems it removed.
 """
@@ -24,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..nodes import is_getitem, node_op, size_hint
 from ..selectors import INT32_LIMIT, VALUE_INDEX_OPS, bound_args, selection_extent
-from .tag_policy import DISCRETE, TagResult
+from .tag_policy import DISCRETE, OFFLOAD, OFFLOAD_KEY, TagResult
 
 __all__ = ["keep_decisions_pass"]
 
@@ -82,8 +85,10 @@ def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, p
     return [values.name]
 
 
-def _narrow(graph: torch.fx.Graph, idx: torch.fx.Node, result: TagResult, selector: str, decision: str) -> None:
-    """Save int64 ``idx`` as int32: idx -> narrow (MUST_SAVE) -> wide (MUST_RECOMPUTE) -> former users."""
+def _narrow(graph: torch.fx.Graph, idx: torch.fx.Node, result: TagResult, selector: str, decision: str,
+            reason: str = DISCRETE) -> None:
+    """Save (or, ``reason`` offload, offload) int64 ``idx`` as int32: idx -> narrow (MUST_SAVE) -> wide
+    (MUST_RECOMPUTE) -> former users."""
     convert = torch.ops.prims.convert_element_type.default
     users = list(idx.users)
     with graph.inserting_after(idx):
@@ -93,7 +98,10 @@ def _narrow(graph: torch.fx.Graph, idx: torch.fx.Node, result: TagResult, select
         wide = _new_node(graph, idx, convert, (narrow, torch.int64), None)
     for user in users:
         user.replace_input_with(idx, wide)
-    result.add(narrow, CheckpointPolicy.MUST_SAVE, DISCRETE, f"{selector} (int32)", op=decision)
+    offload = reason == OFFLOAD
+    if offload:  # the int32 form leaves the device; the int64 one is only its input now
+        idx.meta.pop(OFFLOAD_KEY, None)
+    result.add(narrow, CheckpointPolicy.MUST_SAVE, reason, f"{selector} (int32)", op=decision, offload=offload)
     result.add(wide, CheckpointPolicy.MUST_RECOMPUTE, "derived", f"derived from {selector}")
 
 
@@ -104,19 +112,21 @@ def keep_decisions_pass(gm: torch.fx.GraphModule, tags: TagResult) -> list[str]:
     by_name = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
     removed: list[str] = []
-    for rec in [r for r in tags.records if r.reason == DISCRETE]:
+    for rec in [r for r in tags.records if r.reason in (DISCRETE, OFFLOAD)]:
         node = by_name.get(rec.name)
         op = node_op(node) if node is not None else None
         if op is None or node.target is not op:  # getitems, wrapped ops
             continue
         kind = VALUE_INDEX_OPS.get(op._schema.name)
+        if rec.reason == OFFLOAD and kind is None:  # an offloaded selection: its indices leave as int32
+            continue
         previous = getattr(CheckpointPolicy, rec.previous) if rec.previous else None
-        if kind is not None:
+        if kind is not None and rec.reason == DISCRETE:
             removed += _rebuild_values(graph, node, op, kind, previous, order)
         idx = _getitem(node, 1) if kind is not None else (node if isinstance(node.meta.get("val"), torch.Tensor) else None)
         if idx is not None and idx.meta["val"].dtype == torch.int64 and idx.users \
                 and selection_extent(op, *_vals(node), size=size_hint) <= INT32_LIMIT:
-            _narrow(graph, idx, tags, rec.selector, rec.op)
+            _narrow(graph, idx, tags, rec.selector, rec.op, rec.reason)
     tags.records = [r for r in tags.records if r.name not in removed]
     graph.lint()
     return removed

@@ -31,8 +31,8 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import warn
-from ..nodes import (backward_part, is_getitem, is_view, module_path, node_op, op_name, size_hint, tensor_nbytes,
-                     unpackers)
+from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, node_op, op_name, size_hint,
+                     tensor_nbytes, unpackers)
 from ..offload import host_limit, pool_bytes
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
@@ -94,6 +94,7 @@ class _Candidate:
     outputs: list[torch.fx.Node]  # the node, or the getitems of a multi-output node the backward reads
     nbytes: int
     seconds: float = 0.0
+    form: list[torch.fx.Node] | None = None  # what is kept in its place: its smaller exact form (see _narrow)
 
 
 def _in_region(node: torch.fx.Node) -> bool:
@@ -127,29 +128,58 @@ def _candidates(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> dict[tor
     each that those reads need. A forward output stays on the device for the caller anyway: not planned."""
     outputs = {n for n in graph.find_nodes(op="output")[0].all_input_nodes if n not in backward}
     needed: dict[torch.fx.Node, set[torch.fx.Node]] = defaultdict(set)  # heavy producer -> its outputs used
-    seen: set[torch.fx.Node] = set()
-    stack = [inp for node in graph.nodes if node in backward for inp in node.all_input_nodes
+    reads: dict[torch.fx.Node, set[torch.fx.Node]] = defaultdict(set)  # heavy producer -> backward reads from it
+    seen: set[tuple[torch.fx.Node, torch.fx.Node]] = set()
+    stack = [(inp, inp) for node in graph.nodes if node in backward for inp in node.all_input_nodes
              if inp not in backward and inp.op == "call_function"]
-    while stack:
-        value = stack.pop()
-        if value in seen or value in backward or value.op != "call_function" or value in outputs:
+    while stack:  # (a value the trace reached, the backward read it started from)
+        value, read = stack.pop()
+        if (value, read) in seen or value in backward or value.op != "call_function" or value in outputs:
             continue
-        seen.add(value)
+        seen.add((value, read))
         producer = value.args[0] if is_getitem(value) else value
         if not isinstance(producer, torch.fx.Node) or not _in_region(producer) or \
                 (is_getitem(value) and not _in_region(value)):
             continue
         if _heavy(producer):
             needed[producer].add(value)
+            reads[producer].add(read)
         else:
-            stack.extend(producer.all_input_nodes)
+            stack.extend((inp, read) for inp in producer.all_input_nodes)
     out = {}
     for producer, values in needed.items():
         if any(v.meta.get("recompute") is not CheckpointPolicy.PREFER_RECOMPUTE for v in values):
             continue
         vals = sorted(values, key=lambda v: v.name)
-        out[producer] = _Candidate(producer, vals, sum(_tensor_bytes(v.meta.get("val")) for v in vals))
+        cand = _Candidate(producer, vals, sum(_tensor_bytes(v.meta.get("val")) for v in vals))
+        cand.form = _narrow(cand, reads[producer])
+        if cand.form is not None:
+            cand.nbytes = sum(_tensor_bytes(f.meta.get("val")) for f in cand.form)
+        out[producer] = cand
     return out
+
+
+def _narrow(cand: _Candidate, reads: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """A smaller exact form of what the backward needs from ``cand``, or None. When every backward read that
+    leads to the candidate does so through a chain of cheap one-input ops (views, casts, pointwise ops such as
+    a comparison with a scalar), keeping the narrowest value of each chain is exact: the backward recomputes
+    the rest of the chain from it, and never needs the candidate. A float mask ``(x > 0).float()`` is kept
+    as its bool, an int64 widening of int32 IDs as the int32, a fp32 upcast of a bf16 value as the bf16."""
+    size = lambda n: _tensor_bytes(n.meta.get("val"))  # noqa: E731
+    form: dict[torch.fx.Node, None] = {}
+    for read in sorted(reads, key=lambda n: n.name):
+        chain, node = [], read
+        while node not in cand.outputs:
+            if not is_cheap_unary(node) or not _in_region(node):
+                return None
+            chain.append(node)
+            node = node.all_input_nodes[0]
+        chain.append(node)  # the candidate's own output ends the chain
+        # the narrowest value, the candidate's output on a tie (nothing more to recompute)
+        form[min(reversed(chain), key=size)] = None
+    if sum(map(size, form)) >= cand.nbytes:
+        return None
+    return list(form)
 
 
 def _attribute_costs(graph: torch.fx.Graph, backward: set[torch.fx.Node], cands: dict, cost: CostModel) -> None:
@@ -173,7 +203,8 @@ def _attribute_costs(graph: torch.fx.Graph, backward: set[torch.fx.Node], cands:
 
 
 def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool) -> None:
-    for t in [cand.node] + [u for u in unpackers(cand.node)]:
+    kept = cand.form if cand.form is not None else [cand.node] + [u for u in unpackers(cand.node)]
+    for t in kept:
         tags.add(t, CheckpointPolicy.MUST_SAVE, reason, "plan", offload=offload)
 
 
@@ -260,7 +291,9 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
                 why = "device and host budgets spent"
             else:
                 why = "device budget spent; the copy window is full"
+        if c.form is not None:
+            why += f"; its smaller exact form {', '.join(f.name for f in c.form)} is what the backward needs"
         decisions.append(Decision(name=c.node.name, op=op_name(c.node), module=module_path(c.node), bytes=c.nbytes,
-                                  action=action, recompute_ms=1e3 * c.seconds,
-                                  copy_ms=copy_ms, why=why))
+                                  action=action, recompute_ms=1e3 * c.seconds, copy_ms=copy_ms, why=why,
+                                  form=tuple(f.name for f in c.form or ())))
     return tuple(decisions)
