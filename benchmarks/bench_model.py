@@ -18,8 +18,10 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 ``torch._functorch.config.activation_memory_budget=--budget``), and ``model_plan``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib)``: one plan for all
 layers, placed per layer at run time). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
-GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05. ``--profile`` adds one profiled step
-per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline. ``--append``
+GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
+prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
+profiled step per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline;
+``--memory`` one step's peak allocated memory by phase (each layer's forward and backward, the head). ``--append``
 adds the variants to ``--out``'s, for a sweep that spans several commands on one machine (each row keeps its
 command; ratios are against the file's control).
 """
@@ -70,9 +72,13 @@ def backends(args) -> dict:
     }
 
 
-def split_variant(spec: str) -> tuple[str, float | None]:
+def split_variant(spec: str) -> tuple[str, float | None, int | None | str]:
+    """``name[:x][@prefetch]``: the variant, its parameter, and the offload prefetch limit in GiB (``@inf``: no
+    limit; absent: the runtime's default, returned as "default")."""
+    spec, _, prefetch = spec.partition("@")
     name, _, param = spec.partition(":")
-    return name, float(param) if param else None
+    limit = "default" if not prefetch else None if prefetch == "inf" else int(float(prefetch) * GIB)
+    return name, float(param) if param else None, limit
 
 
 def build(args, device, dtype) -> GLM52ForCausalLM:
@@ -147,8 +153,43 @@ def profile_step(model, ids, sync) -> dict:
             "copy_not_hidden_ms": {w: unhidden(c) / 1e3 for w, c in copies.items()}}
 
 
+def memory_phases(model, ids) -> list[dict]:
+    """One step's peak allocated memory by phase, in the order the phases ran: each layer's forward, the head
+    (norm, logits, loss), each layer's backward (from its output's gradient to the next layer's), with the
+    memory allocated as each began. The allocator's counters move as the host issues the work, so the phases
+    are cut on the host (module hooks, gradient hooks) without a synchronization."""
+    rows, state = [], {"phase": "embedding forward", "start": torch.cuda.memory_allocated()}
+
+    def enter(name):
+        rows.append({"phase": state["phase"], "start_gib": state["start"] / GIB,
+                     "peak_gib": torch.cuda.max_memory_allocated() / GIB})
+        torch.cuda.reset_peak_memory_stats()
+        state.update(phase=name, start=torch.cuda.memory_allocated())
+
+    def output_hook(i):
+        def hook(module, inputs, out):
+            out[0].register_hook(lambda grad: enter(f"layer {i} backward"))
+        return hook
+
+    hooks = [model.norm.register_forward_pre_hook(lambda *_: enter("head forward"))]
+    for i, layer in enumerate(model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: enter(f"layer {i} forward")))
+        hooks.append(layer.register_forward_hook(output_hook(i)))
+    try:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.reset_peak_memory_stats()
+        loss = model(ids, labels=ids)
+        enter("head backward")
+        loss.backward()
+        enter("end")
+    finally:
+        for h in hooks:
+            h.remove()
+    return rows
+
+
 def measure(args, spec, make_backend, device, dtype) -> dict:
-    name, param = split_variant(spec)
+    name, param, _ = split_variant(spec)
     torch._dynamo.reset()
     model = build(args, device, dtype)
     be = make_backend(param)
@@ -208,6 +249,10 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
         if args.profile:
             row["profile"] = profile_step(model, ids, sync)
+        if args.memory:
+            row["memory_phases"] = memory_phases(model, ids)
+    limit = offload_runtime.prefetch_limit()
+    row["prefetch_limit_gib"] = None if limit is None else limit / GIB
     del model, be
     gc.collect()
     offload_runtime.release_host_memory()
@@ -230,6 +275,8 @@ def main(argv=None) -> dict:
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
     p.add_argument("--profile", action="store_true", help="profile one more step per variant (CUDA timeline)")
+    p.add_argument("--memory", action="store_true",
+                   help="one more step per variant: peak allocated memory by phase (each layer's forward and backward)")
     p.add_argument("--no-fp8", action="store_true")
     add_experts_option(p)
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
@@ -252,13 +299,19 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--append: {args.out} was measured with torch {result.get('torch')}, this is "
                              f"{torch.__version__}; measure into a new file")
     for name in args.variants.split(","):
+        variant, _, prefetch = split_variant(name)
+        default_prefetch = offload_runtime.prefetch_limit()
         try:
-            result["variants"][name] = measure(args, name, table[split_variant(name)[0]], device, dtype)
+            if prefetch != "default":
+                offload_runtime.set_prefetch_limit(prefetch)
+            result["variants"][name] = measure(args, name, table[variant], device, dtype)
             result["variants"][name]["command"] = command
         except torch.cuda.OutOfMemoryError as e:
             result["variants"][name] = {"status": "oom", "error": str(e)[:300]}
             gc.collect()
             torch.cuda.empty_cache()
+        finally:
+            offload_runtime.set_prefetch_limit(default_prefetch)
         print(name, json.dumps({k: v for k, v in result["variants"][name].items() if k != "step_ms"}), flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

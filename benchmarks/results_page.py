@@ -32,7 +32,7 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json
          "sparse_mla_bwd_dkv_layouts_64heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
          "layer_16k_128k_h200.json", "profile_layer_64k_fp8experts_h200.json", "frontier_1layer_h200.json",
          "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
-         "allocator_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
+         "allocator_16layers_64k_h200.json", "prefetch_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
 VARIANT_LABELS = {"default": "default"}
 
@@ -290,6 +290,22 @@ def r_model(e, plots):
                      m.get("bw_topk_runs_first_step", "-"), f(m.get("loss"), ".4f")])
     out += table(["variant", "step s", "/ control", "peak GiB", "peak reserved GiB", "host GiB per step (each way)",
                   "reloads prefetched", "bwd top-k runs", "loss"], rows)
+    phased = {v: m["memory_phases"] for v, m in vs.items() if m.get("memory_phases")}
+    if phased:
+        names = list(phased)
+        phases = [p["phase"] for p in phased[names[0]] if "backward" in p["phase"]]
+        out += ["Peak allocated GiB by phase of one more step (`--memory`), backward phases: the memory allocated as "
+                "the phase began / its peak; **bold** where the variant's step peaks.", ""]
+        rows = []
+        for ph in phases:
+            row = [ph]
+            for v in names:
+                got = {p["phase"]: p for p in phased[v]}.get(ph)
+                top = max(p["peak_gib"] for p in phased[v])
+                cell = f"{f(got['start_gib'])} / {f(got['peak_gib'])}" if got else "-"
+                row.append(f"**{cell}**" if got and got["peak_gib"] == top else cell)
+            rows.append(row)
+        out += table(["phase"] + [f"`{v}`" for v in names], rows)
     if e["meta"].get("plot") == "frontier":
         layer = [x for x in _ENTRIES if x["meta"].get("plot") == "frontier" and x["meta"]["kind"] == "layer"]
         name = "frontier_h200.png"

@@ -10,11 +10,14 @@ Two custom ops, inserted by :mod:`sacpass.passes.offload` into the partitioned g
   host tensor, which the forward saves instead of ``x``. ``x.record_stream`` lets the allocator reuse ``x``'s
   memory only after the copy. ``index`` is the op's position in its graph; index 0 opens a new *bundle* (one
   execution of one compiled forward).
-- ``sacpass::reload(Tensor host, Device device) -> Tensor``: in the backward, before the first use. The first
-  reload of a bundle issues the host-to-device copies of the whole bundle on a second side stream, then
-  *prefetches* the bundle opened just before it on the same device and thread (the previous layer, whose
-  backward runs next), so those copies overlap this layer's backward; each reload makes the compute stream
-  wait for its own copy only.
+- ``sacpass::reload(Tensor host, Device device) -> Tensor``: in the backward, before the first use. Each
+  reload makes the compute stream wait for its own copy only, and *prefetches*: it issues, on a second side
+  stream, the copies that come next in the order the backward reads them (the rest of its bundle, then the
+  bundle opened just before it on the same device and thread: the previous layer, whose backward runs
+  next), while the copies issued and not yet read stay within :func:`set_prefetch_limit` bytes per device.
+  The copies overlap the backward's compute, and a layer's values arrive a few at a time instead of all at
+  its first reload (with the previous layer's beside them). The order is the one the backward of the same
+  graph read them in last time (learned by the bundle's layout); before that, the reverse of the forward's.
 
 Lifetimes (nothing here is freed by a garbage collection, and nothing outlives what owns it):
 
@@ -56,7 +59,7 @@ from torch import Tensor
 from .errors import OffloadError
 from .host import available_memory, physical_memory
 
-__all__ = ["set_host_limit", "host_limit", "stats", "reset_stats", "OffloadStats", "release_host_memory",
+__all__ = ["set_host_limit", "host_limit", "set_prefetch_limit", "prefetch_limit", "stats", "reset_stats", "OffloadStats", "release_host_memory",
            "pool_bytes", "ALIGN"]
 
 _lock = threading.RLock()
@@ -67,6 +70,7 @@ _MAX_SLAB = 2 << 30
 _HOST_MARGIN = 0.05  # share of physical memory a new slab must leave available to everything else
 
 _HOST_LIMIT = int(0.8 * physical_memory())
+_PREFETCH_LIMIT: int | None = 4 << 30
 
 
 def set_host_limit(nbytes: int) -> None:
@@ -85,6 +89,24 @@ def host_limit() -> int:
     return _HOST_LIMIT
 
 
+def set_prefetch_limit(nbytes: int | None) -> None:
+    """Cap the bytes of reloads issued ahead and not yet read by the backward, per device (default 4 GiB;
+    ``None``: no cap, every copy of a layer and of the layer before it issued at the layer's first reload).
+    One copy is always in flight, however large. A lower cap holds fewer reloaded values on the device at once;
+    too low a cap issues the next layer's copies late in this layer's backward, where the compute may no longer
+    hide them (each copy waits for the compute issued before it)."""
+    global _PREFETCH_LIMIT
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise ValueError(f"sacpass.offload.set_prefetch_limit({nbytes!r}): pass a number of bytes, an int >= 0, "
+                         f"or None for no cap.")
+    with _lock:
+        _PREFETCH_LIMIT = nbytes
+
+
+def prefetch_limit() -> int | None:
+    return _PREFETCH_LIMIT
+
+
 def pool_bytes(nbytes: int) -> int:
     """The pool bytes one offloaded tensor of ``nbytes`` takes (its block: rounded up to ``ALIGN``)."""
     return -(-nbytes // ALIGN) * ALIGN
@@ -97,8 +119,8 @@ class OffloadStats:
 
     offloaded_bytes: int = 0  # device -> host
     reloaded_bytes: int = 0  # host -> device
-    prefetched_bytes: int = 0  # reloads started ahead, before their bundle's backward
-    waited_reloads: int = 0  # reloads whose copy was not started before the backward needed it
+    prefetched_bytes: int = 0  # reloads issued ahead, before the backward asked for them
+    waited_reloads: int = 0  # reloads whose copy was issued only when the backward asked for it
     dropped_prefetch_bytes: int = 0  # prefetched, but no backward consumed them: freed when that backward ended
     bundles: int = 0  # bundles opened (forward executions that offloaded)
     host_bytes_alive: int = 0  # pool bytes live offloads use now (their blocks)
@@ -327,13 +349,32 @@ class _Bundle:
     prev: "weakref.ref[_Bundle] | None"  # the bundle opened before it on this device and thread
     keys: list[int] = field(default_factory=list)
     started: bool = False  # its backward has begun (its first reload ran)
-    issued: bool = False  # its host-to-device copies have been issued
+    read: list[int] = field(default_factory=list)  # its entries' positions, in the order its backward read them
+    shapes: tuple | None = None  # see layout()
 
     def __post_init__(self) -> None:
         _LIVE_BUNDLES.add(self)
 
     def entries(self) -> list["_Entry"]:
         return [e for e in (_ENTRIES.get(k) for k in self.keys) if e is not None and e.bundle is self]
+
+    def layout(self) -> tuple:
+        """Its entries' (shape, dtype), in the forward's order: taken once its forward is over (at its first
+        prefetch or read), while all of them live."""
+        if self.shapes is None:
+            self.shapes = tuple((e.shape, e.dtype) if e is not None else None for e in self._by_position())
+        return self.shapes
+
+    def _by_position(self) -> list["_Entry | None"]:
+        return [e if e is not None and e.bundle is self else None for e in (_ENTRIES.get(k) for k in self.keys)]
+
+    def pending(self) -> list["_Entry"]:
+        """Its entries not yet issued nor read, in the order its backward will read them: the order the last
+        backward of a bundle of the same layout read them in (the same compiled graph), else the reverse of
+        the forward's."""
+        order = _READ_ORDERS.get(self.layout()) or range(len(self.keys) - 1, -1, -1)
+        entries = self._by_position()
+        return [e for e in (entries[i] for i in order) if e is not None and e.reload is None and not e.read]
 
 
 @dataclass(eq=False)
@@ -346,8 +387,16 @@ class _Entry:
     stride: tuple[int, ...]
     dtype: torch.dtype
     d2h: "torch.cuda.Event | None"  # completion of the device-to-host copy (None on CPU)
-    reload: Tensor | None = None  # the device copy, once issued and until consumed
+    position: int = 0  # in its bundle
+    reload: Tensor | None = None  # the device copy, once issued and until read
     h2d: "torch.cuda.Event | None" = None
+    read: bool = False  # a backward has read it
+
+    def drop(self) -> None:
+        """Forget its device copy (read by the backward, or unread and freed)."""
+        if self.reload is not None:
+            self.reload = None
+            _IN_FLIGHT[self.bundle.device] -= self.nbytes
 
 
 _ENTRIES: dict[int, _Entry] = {}  # host data address -> entry; removed when the host tensor's storage dies
@@ -355,6 +404,8 @@ _OPEN: dict[tuple[tuple[str, int], int], "weakref.ref[_Bundle]"] = {}  # (device
 _STREAMS: dict[tuple[str, int], "torch.cuda.Stream"] = {}
 _FREED: collections.deque = collections.deque()  # host addresses whose storage died, to settle under the lock
 _BACKWARDS: dict[int, list] = {}  # autograd graph task -> bundles its backward began or prefetched (weak)
+_IN_FLIGHT: collections.Counter = collections.Counter()  # device -> bytes of reloads issued and not yet read
+_READ_ORDERS: dict[tuple, list[int]] = {}  # a bundle's layout -> the order its last backward read its entries
 
 
 def _device_key(device: torch.device) -> tuple[str, int]:
@@ -393,7 +444,7 @@ def _drain() -> None:
         entry = _ENTRIES.pop(_FREED.popleft(), None)
         if entry is None:
             continue
-        entry.reload = None
+        entry.drop()
         entry.pool.release(entry.block)
         _STATS.host_bytes_alive -= entry.block.size
 
@@ -425,63 +476,82 @@ def _issue_reload(entry: _Entry, device: torch.device) -> None:
     dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
     if device.type == "cuda":
         entry.h2d = _side_copy("h2d", device, dev, src, after=entry.d2h)
-        dev.record_stream(_stream("h2d", device))  # freed unconsumed (a dropped prefetch): reused after the copy
+        dev.record_stream(_stream("h2d", device))  # freed unread (a dropped prefetch): reused after the copy
         entry.block.events["h2d"] = entry.h2d
     else:
         dev.copy_(src)
     entry.reload = dev
+    _IN_FLIGHT[entry.bundle.device] += entry.nbytes
     _STATS.reloaded_bytes += entry.nbytes
 
 
-def _issue_bundle(bundle: _Bundle, device: torch.device, *, prefetch: bool) -> None:
-    bundle.issued = True
-    for entry in bundle.entries():
-        if entry.reload is None:
+def _prefetch(device: torch.device, *bundles: "_Bundle | None") -> None:
+    """Issue the next copies in reading order, the bundles' in turn (a bundle whose backward began is
+    skipped but the first), while the bytes issued and not yet read on ``device`` stay within the prefetch
+    limit; one copy is issued when none is in flight, whatever its size."""
+    key = _device_key(device)
+    for i, bundle in enumerate(bundles):
+        if bundle is None or (i and bundle.started):
+            continue
+        for entry in bundle.pending():
+            if _IN_FLIGHT[key] and _PREFETCH_LIMIT is not None and _IN_FLIGHT[key] + entry.nbytes > _PREFETCH_LIMIT:
+                return
             _issue_reload(entry, device)
-            if prefetch:
-                _STATS.prefetched_bytes += entry.nbytes
-            else:
-                _STATS.waited_reloads += 1
+            _STATS.prefetched_bytes += entry.nbytes
+            _track(bundle)
+
+
+def _previous(bundle: "_Bundle | None") -> "_Bundle | None":
+    return bundle.prev() if bundle is not None and bundle.prev is not None else None
 
 
 def _track(bundle: _Bundle) -> None:
-    """Remember ``bundle`` for the end of the backward running now (its unconsumed copies are freed then)."""
+    """Remember ``bundle`` for the end of the backward running now (its unread copies are freed then)."""
     task = torch._C._current_graph_task_id()
     if task < 0:  # not inside a backward (a graph called by hand): the entries' own lifetimes free them
         return
     if task not in _BACKWARDS:
-        _BACKWARDS[task] = []
+        _BACKWARDS[task] = {}
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_backward(task))
-    _BACKWARDS[task].append(weakref.ref(bundle))
+    _BACKWARDS[task].setdefault(id(bundle), weakref.ref(bundle))
 
 
 def _end_backward(task: int) -> None:
-    """The backward ``task`` ended: free the copies it started that nothing consumed (a prefetched bundle
-    whose backward did not follow, a value its graph never read); such a bundle may be issued again later."""
+    """The backward ``task`` ended: free the copies it issued that nothing read (a prefetched bundle whose
+    backward did not follow, a value its graph never read); such a bundle may be prefetched again later."""
     with _lock:
         _drain()
-        for ref in _BACKWARDS.pop(task, []):
+        for ref in _BACKWARDS.pop(task, {}).values():
             bundle = ref()
             if bundle is None:
                 continue
             for entry in bundle.entries():
                 if entry.reload is not None:
-                    entry.reload = None
+                    entry.drop()
                     _STATS.dropped_prefetch_bytes += entry.nbytes
-            if not bundle.started:
-                bundle.issued = False
 
 
-def _begin_backward(bundle: _Bundle, device: torch.device) -> None:
-    """The first reload of ``bundle``: issue its copies if no one did, and prefetch the bundle before it."""
-    bundle.started = True
-    if not bundle.issued:
-        _issue_bundle(bundle, device, prefetch=False)
-    _track(bundle)
-    prev = bundle.prev() if bundle.prev is not None else None
-    if prev is not None and not prev.started and not prev.issued:  # in a plain backward, it runs next
-        _issue_bundle(prev, device, prefetch=True)
-        _track(prev)
+def _read(entry: _Entry, device: torch.device) -> tuple[Tensor, "torch.cuda.Event | None"]:
+    """Hand ``entry``'s device copy to the backward (issued now if no prefetch did), learn the reading order,
+    and prefetch what comes next."""
+    bundle = entry.bundle
+    if not bundle.started:
+        bundle.started = True
+        bundle.layout()
+        _track(bundle)
+    if entry.reload is None:  # not prefetched (or read before: a second backward through the same graph)
+        _issue_reload(entry, device)
+        _STATS.waited_reloads += 1
+        _track(bundle)
+    out, event = entry.reload, entry.h2d
+    entry.drop()
+    if not entry.read:
+        entry.read = True
+        bundle.read.append(entry.position)
+        if len(bundle.read) == len(bundle.keys):
+            _READ_ORDERS[bundle.layout()] = list(bundle.read)
+    _prefetch(device, bundle, _previous(bundle))
+    return out, event
 
 
 # ------------------------------------------------------------------------------------------------ ops
@@ -499,7 +569,7 @@ def offload(x: Tensor, index: int, after: list[Tensor]) -> Tensor:
         block = pool.allocate(nbytes)
         bundle = _open_bundle(x.device, index)
         host = _block_tensor(block, shape, stride, x.dtype, on_free=lambda key=block.ptr: _FREED.append(key))
-        entry = _Entry(bundle, pool, block, nbytes, shape, stride, x.dtype, None)
+        entry = _Entry(bundle, pool, block, nbytes, shape, stride, x.dtype, None, position=len(bundle.keys))
         _ENTRIES[block.ptr] = entry
         bundle.keys.append(block.ptr)
         _STATS.host_bytes_alive += block.size
@@ -540,13 +610,7 @@ def reload(host: Tensor, device: torch.device) -> Tensor:
         if entry is None or entry.shape != tuple(host.shape) or entry.dtype != host.dtype:
             entry = None  # a host tensor sacpass did not make (or an empty one): copied plainly below
         else:
-            if not entry.bundle.started:
-                _begin_backward(entry.bundle, device)
-            if entry.reload is None:  # consumed before (a second backward through the same graph): again
-                _issue_reload(entry, device)
-                _STATS.waited_reloads += 1
-                _track(entry.bundle)
-            out, event, entry.reload = entry.reload, entry.h2d, None
+            out, event = _read(entry, device)
     if entry is None:
         return _plain_copy(host, device)
     if device.type == "cuda":
@@ -800,11 +864,8 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
             raise OffloadError("sacpass: a backward asked for a stashed value whose handle sacpass does not know "
                                "(its forward ran in another process, or the handle was copied); run the "
                                "forward and the backward of a compiled graph in one process.")
-        if not item.on_host and not item.mark.started:  # a region kept on the device: prefetch the one before
-            prev = item.mark.before() if item.mark.before is not None else None
-            if prev is not None and not prev.started and not prev.issued:
-                _issue_bundle(prev, torch.device(device), prefetch=True)
-                _track(prev)
+        if not item.on_host:  # a value kept on the device: prefetch the region before (its backward is next)
+            _prefetch(torch.device(device), None, item.mark.before() if item.mark.before is not None else None)
         item.mark.started = True
         item.check_unchanged()
         if not item.on_host:
@@ -821,9 +882,9 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
             return out
         host = item.value
         entry = _ENTRIES.get(host.data_ptr()) if host.numel() else None
-        if entry is not None and not entry.bundle.issued:  # this region's copies start now: its backward waits
+        if entry is not None and entry.reload is None:  # no prefetch issued its copy: the backward waits for it
             waited = item.placement.waited
-            waited[item.position] = waited.get(item.position, 0) + len(entry.bundle.entries())
+            waited[item.position] = waited.get(item.position, 0) + 1
     return reload(host, device)
 
 

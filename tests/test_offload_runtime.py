@@ -176,6 +176,78 @@ def test_two_models_in_two_threads(per_layer):
     _assert_empty()
 
 
+# --------------------------------------------------------------------------------------- the prefetch
+MANY = {"offload": ["aten::mm", "aten::addmm", "aten::gelu"]}  # several values a layer, read at different times
+
+
+@pytest.fixture
+def issues(monkeypatch):
+    """Every host-to-device copy issued: (bytes issued and not yet read right after it, its bytes); the
+    reading orders start unlearned and the prefetch limit is restored."""
+    seen, issue = [], rt._issue_reload
+
+    def record(entry, device):
+        issue(entry, device)
+        seen.append((rt._IN_FLIGHT[entry.bundle.device], entry.nbytes))
+
+    monkeypatch.setattr(rt, "_issue_reload", record)
+    monkeypatch.setattr(rt, "_READ_ORDERS", {})
+    limit = rt.prefetch_limit()
+    yield seen
+    rt.set_prefetch_limit(limit)
+
+
+@pytest.mark.parametrize("limit", [1, 16 << 10, None])
+def test_the_prefetch_limit_caps_the_copies_issued_and_not_yet_read(issues, limit):
+    with no_compile_caches():
+        model, be = _stack(**MANY)
+        expected = _step(model, _x())  # compiles
+        rt.set_prefetch_limit(limit)
+        rt.reset_stats()
+        issues.clear()
+        grads = _step(model, _x())
+    st, layer = rt.stats(), rt.stats().offloaded_bytes // N_LAYERS
+    assert len(issues) >= 3 * N_LAYERS and st.reloaded_bytes == st.offloaded_bytes == N_LAYERS * layer
+    largest = max(n for _, n in issues)
+    if limit is None:  # the old way: a layer's first read issues its other copies and the layer before's
+        assert max(f for f, _ in issues) > layer, issues
+    else:
+        assert all(f <= max(limit, n) for f, n in issues), issues
+        assert limit >= largest or max(f for f, _ in issues) == largest  # one copy at a time
+    assert st.waited_reloads == 1 and st.prefetched_bytes == st.reloaded_bytes - issues[0][1], st.format()
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    _assert_empty()
+
+
+def test_the_prefetch_follows_the_order_the_backward_read_in_last(issues):
+    """One copy ahead at a time: with the reading order learned, no read but the step's first waits; with a
+    wrong order planted (the forward's), reads wait, and the next step has learned the right one again."""
+    rt.set_prefetch_limit(1)
+    with no_compile_caches():
+        model, be = _stack(**MANY)
+        _step(model, _x())
+        rt.reset_stats()
+        _step(model, _x())
+        assert rt.stats().waited_reloads == 1, rt.stats().format()
+        ((layout, order),) = rt._READ_ORDERS.items()
+        assert sorted(order) == list(range(len(layout))) and order != sorted(order)
+        rt._READ_ORDERS[layout] = sorted(order)
+        rt.reset_stats()
+        _step(model, _x())
+        assert rt.stats().waited_reloads > 1
+        assert rt._READ_ORDERS[layout] == order
+        rt.reset_stats()
+        _step(model, _x())
+        assert rt.stats().waited_reloads == 1, rt.stats().format()
+    _assert_empty()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2GiB"])
+def test_set_prefetch_limit_refuses_bad_values(bad):
+    with pytest.raises(ValueError, match="pass a number of bytes"):
+        rt.set_prefetch_limit(bad)
+
+
 # ------------------------------------------------------------------------------------------ the pool
 ODD = [(1000,), (3, 333), (77, 91), (5,), (4097,)]
 

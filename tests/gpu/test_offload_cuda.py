@@ -60,6 +60,40 @@ def test_offload_on_cuda_moves_bytes_to_pinned_host_and_prefetches():
     assert calls.count("backward", "sacpass::reload") == N_LAYERS * sum(s.reason == "offload" for s in rep.saved)
 
 
+def test_the_prefetch_limit_lowers_the_backward_peak_and_keeps_the_gradients():
+    """Several values a layer offloaded: with no limit, the last layer's first reload issues its other copies
+    and the whole layer before's, all resident at once; one copy ahead at a time holds fewer bytes on the
+    device at the backward's peak, the copies still prefetched (in the order the backward read them last
+    step), and the gradients are the same."""
+    x = torch.randn(2048, 256, device="cuda")
+    limit, results = offload_runtime.prefetch_limit(), {}
+    try:
+        for name, cap in (("unbounded", None), ("one ahead", 1)):
+            offload_runtime.set_prefetch_limit(cap)
+            torch._dynamo.reset()
+            model, _ = _stack({"offload": ["aten::mm", "aten::addmm"]})
+            _step(model, x)  # compiles, and learns the reading order
+            model.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_(True)
+            out = model(xx).float().square().mean()
+            torch.cuda.synchronize()
+            offload_runtime.reset_stats()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out.backward()
+            torch.cuda.synchronize()
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None] + [xx.grad.clone()]
+            results[name] = (torch.cuda.max_memory_allocated() - base, offload_runtime.stats(), grads)
+    finally:
+        offload_runtime.set_prefetch_limit(limit)
+    (peak_all, st_all, g_all), (peak_one, st_one, g_one) = results["unbounded"], results["one ahead"]
+    assert st_one.waited_reloads == st_all.waited_reloads == 1, (st_one.format(), st_all.format())
+    layer = st_one.reloaded_bytes // N_LAYERS
+    assert peak_one < peak_all, (peak_one, peak_all, layer)
+    for a, b in zip(g_one, g_all):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # atomics in the gather's backward
+
+
 def test_offloaded_tensor_is_pinned_host_memory():
     torch._dynamo.reset()
     be = sacpass.backend(inner="inductor", offload=["aten::addmm"])
