@@ -405,7 +405,10 @@ _STREAMS: dict[tuple[str, int], "torch.cuda.Stream"] = {}
 _FREED: collections.deque = collections.deque()  # host addresses whose storage died, to settle under the lock
 _BACKWARDS: dict[int, list] = {}  # autograd graph task -> bundles its backward began or prefetched (weak)
 _IN_FLIGHT: collections.Counter = collections.Counter()  # device -> bytes of reloads issued and not yet read
-_READ_ORDERS: dict[tuple, list[int]] = {}  # a bundle's layout -> the order its last backward read its entries
+# a bundle's layout -> the order its last backward read its entries; the newest _READ_ORDERS_KEPT layouts (one
+# per compiled graph and input shape), so a run whose shapes vary keeps a bounded table
+_READ_ORDERS: "collections.OrderedDict[tuple, list[int]]" = collections.OrderedDict()
+_READ_ORDERS_KEPT = 256
 
 
 def _device_key(device: torch.device) -> tuple[str, int]:
@@ -550,6 +553,9 @@ def _read(entry: _Entry, device: torch.device) -> tuple[Tensor, "torch.cuda.Even
         bundle.read.append(entry.position)
         if len(bundle.read) == len(bundle.keys):
             _READ_ORDERS[bundle.layout()] = list(bundle.read)
+            _READ_ORDERS.move_to_end(bundle.layout())
+            while len(_READ_ORDERS) > _READ_ORDERS_KEPT:
+                _READ_ORDERS.popitem(last=False)
     _prefetch(device, bundle, _previous(bundle))
     return out, event
 

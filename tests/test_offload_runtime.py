@@ -7,6 +7,7 @@ prefetch nobody consumes is freed when its backward ends. The GPU side is tests/
 """
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
@@ -191,7 +192,7 @@ def issues(monkeypatch):
         seen.append((rt._IN_FLIGHT[entry.bundle.device], entry.nbytes))
 
     monkeypatch.setattr(rt, "_issue_reload", record)
-    monkeypatch.setattr(rt, "_READ_ORDERS", {})
+    monkeypatch.setattr(rt, "_READ_ORDERS", collections.OrderedDict())
     limit = rt.prefetch_limit()
     yield seen
     rt.set_prefetch_limit(limit)
@@ -239,6 +240,18 @@ def test_the_prefetch_follows_the_order_the_backward_read_in_last(issues):
         rt.reset_stats()
         _step(model, _x())
         assert rt.stats().waited_reloads == 1, rt.stats().format()
+    _assert_empty()
+
+
+def test_the_learned_orders_are_bounded(issues, monkeypatch):
+    """One order per layout (compiled graph and shape): a run whose shapes vary keeps only the newest."""
+    monkeypatch.setattr(rt, "_READ_ORDERS_KEPT", 2)
+    with no_compile_caches():
+        model, _ = _stack(**MANY)
+        for rows in (24, 25, 26, 27):
+            _step(model, torch.randn(rows, 32))
+    assert len(rt._READ_ORDERS) == 2
+    assert {layout[0][0][0] for layout in rt._READ_ORDERS} == {26, 27}  # the rows of the newest two shapes
     _assert_empty()
 
 
