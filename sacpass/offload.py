@@ -356,7 +356,7 @@ class _Bundle:
         _LIVE_BUNDLES.add(self)
 
     def entries(self) -> list["_Entry"]:
-        return [e for e in (_ENTRIES.get(k) for k in self.keys) if e is not None and e.bundle is self]
+        return [e for e in self._by_position() if e is not None]
 
     def layout(self) -> tuple:
         """Its entries' (shape, dtype), in the forward's order: taken once its forward is over (at its first
@@ -403,12 +403,16 @@ _ENTRIES: dict[int, _Entry] = {}  # host data address -> entry; removed when the
 _OPEN: dict[tuple[tuple[str, int], int], "weakref.ref[_Bundle]"] = {}  # (device, thread) -> newest bundle
 _STREAMS: dict[tuple[str, int], "torch.cuda.Stream"] = {}
 _FREED: collections.deque = collections.deque()  # host addresses whose storage died, to settle under the lock
-_BACKWARDS: dict[int, list] = {}  # autograd graph task -> bundles its backward began or prefetched (weak)
+_BACKWARDS: dict[int, dict] = {}  # autograd graph task -> {id: weak ref} of the bundles its backward read or prefetched
 _IN_FLIGHT: collections.Counter = collections.Counter()  # device -> bytes of reloads issued and not yet read
 # a bundle's layout -> the order its last backward read its entries; the newest _READ_ORDERS_KEPT layouts (one
 # per compiled graph and input shape), so a run whose shapes vary keeps a bounded table
 _READ_ORDERS: "collections.OrderedDict[tuple, list[int]]" = collections.OrderedDict()
 _READ_ORDERS_KEPT = 256
+
+
+def _deref(ref: "weakref.ref | None"):
+    return ref() if ref is not None else None
 
 
 def _device_key(device: torch.device) -> tuple[str, int]:
@@ -455,7 +459,7 @@ def _drain() -> None:
 def _open_bundle(device: torch.device, index: int) -> _Bundle:
     key = (_device_key(device), threading.get_ident())
     ref = _OPEN.get(key)
-    current = ref() if ref is not None else None
+    current = _deref(ref)
     if index == 0 or current is None or current.started:
         current = _Bundle(key[0], ref)
         _OPEN[key] = weakref.ref(current)
@@ -488,24 +492,20 @@ def _issue_reload(entry: _Entry, device: torch.device) -> None:
     _STATS.reloaded_bytes += entry.nbytes
 
 
-def _prefetch(device: torch.device, *bundles: "_Bundle | None") -> None:
-    """Issue the next copies in reading order, the bundles' in turn (a bundle whose backward began is
-    skipped but the first), while the bytes issued and not yet read on ``device`` stay within the prefetch
-    limit; one copy is issued when none is in flight, whatever its size."""
+def _prefetch(device: torch.device, bundle: "_Bundle | None", before: "_Bundle | None") -> None:
+    """Issue the next copies in reading order: the rest of ``bundle`` (the one being read), then ``before``
+    (the one whose backward runs next) unless its backward has begun, while the bytes issued and not yet read
+    on ``device`` stay within the prefetch limit; one copy is issued when none is in flight, whatever its size."""
     key = _device_key(device)
-    for i, bundle in enumerate(bundles):
-        if bundle is None or (i and bundle.started):
+    for b in (bundle, before if before is not None and not before.started else None):
+        if b is None:
             continue
-        for entry in bundle.pending():
+        for entry in b.pending():
             if _IN_FLIGHT[key] and _PREFETCH_LIMIT is not None and _IN_FLIGHT[key] + entry.nbytes > _PREFETCH_LIMIT:
                 return
             _issue_reload(entry, device)
             _STATS.prefetched_bytes += entry.nbytes
-            _track(bundle)
-
-
-def _previous(bundle: "_Bundle | None") -> "_Bundle | None":
-    return bundle.prev() if bundle is not None and bundle.prev is not None else None
+            _track(b)
 
 
 def _track(bundle: _Bundle) -> None:
@@ -541,11 +541,10 @@ def _read(entry: _Entry, device: torch.device) -> tuple[Tensor, "torch.cuda.Even
     if not bundle.started:
         bundle.started = True
         bundle.layout()
-        _track(bundle)
+    _track(bundle)
     if entry.reload is None:  # not prefetched (or read before: a second backward through the same graph)
         _issue_reload(entry, device)
         _STATS.waited_reloads += 1
-        _track(bundle)
     out, event = entry.reload, entry.h2d
     entry.drop()
     if not entry.read:
@@ -556,7 +555,7 @@ def _read(entry: _Entry, device: torch.device) -> tuple[Tensor, "torch.cuda.Even
             _READ_ORDERS.move_to_end(bundle.layout())
             while len(_READ_ORDERS) > _READ_ORDERS_KEPT:
                 _READ_ORDERS.popitem(last=False)
-    _prefetch(device, bundle, _previous(bundle))
+    _prefetch(device, bundle, _deref(bundle.prev))
     return out, event
 
 
@@ -803,7 +802,7 @@ def _region(device: torch.device, index: int, placement: _Placement) -> tuple[in
     """The position in the step of the forward this call belongs to (index 0 starts a region; a region whose
     values' backward has begun ends the step) and that region's mark."""
     chain = _CHAINS.setdefault((_device_key(device), threading.get_ident()), _Chain())
-    last = chain.mark() if chain.mark is not None else None
+    last = _deref(chain.mark)
     if index == 0 or last is None or last.started:
         # a new step when the region before has begun its backward, or its values are gone (a forward whose
         # backward never ran, an exception in the middle of a step)
@@ -871,7 +870,7 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
                                "(its forward ran in another process, or the handle was copied); run the "
                                "forward and the backward of a compiled graph in one process.")
         if not item.on_host:  # a value kept on the device: prefetch the region before (its backward is next)
-            _prefetch(torch.device(device), None, item.mark.before() if item.mark.before is not None else None)
+            _prefetch(torch.device(device), None, _deref(item.mark.before))
         item.mark.started = True
         item.check_unchanged()
         if not item.on_host:
