@@ -9,7 +9,8 @@ full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every
 compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from the same seed,
 one compiling step, ``--warmup`` more, then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
 allocated memory of the timed steps, the host bytes offloaded and how much of the reload was prefetched, the
-backward top-k runs, and the loss.
+backward top-k runs, the loss, and per compiled graph the planner's decisions (each value's bytes, action and
+estimated recompute and copy time) and the ops its backward recomputes.
 
 Variants: ``control`` (full recompute: sacpass with no policy at all, i.e. PyTorch's min-cut over checkpoints
 that recompute every op, the top-k included), ``sacpass`` (the default backend), ``offload_ids`` (the top-k
@@ -21,14 +22,15 @@ layers, placed per layer at run time). ``name:x`` sweeps a variant's parameter: 
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
 profiled step per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline;
-``--memory`` one step's peak allocated memory by phase (each layer's forward and backward, the head). ``--append``
-adds the variants to ``--out``'s, for a sweep that spans several commands on one machine (each row keeps its
-command; ratios are against the file's control).
+``--memory`` one step's peak allocated and reserved memory by phase (each layer's forward and backward, the
+head). ``--append`` adds the variants to ``--out``'s, for a sweep that spans several commands on one machine
+(each row keeps its command; ratios are against the file's control).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -154,15 +156,16 @@ def profile_step(model, ids, sync) -> dict:
 
 
 def memory_phases(model, ids) -> list[dict]:
-    """One step's peak allocated memory by phase, in the order the phases ran: each layer's forward, the head
-    (norm, logits, loss), each layer's backward (from its output's gradient to the next layer's), with the
-    memory allocated as each began. The allocator's counters move as the host issues the work, so the phases
-    are cut on the host (module hooks, gradient hooks) without a synchronization."""
+    """One step's peak allocated and reserved memory by phase, in the order the phases ran: each layer's
+    forward, the head (norm, logits, loss), each layer's backward (from its output's gradient to the next
+    layer's), with the memory allocated as each began. The allocator's counters move as the host issues the
+    work, so the phases are cut on the host (module hooks, gradient hooks) without a synchronization."""
     rows, state = [], {"phase": "embedding forward", "start": torch.cuda.memory_allocated()}
 
     def enter(name):
         rows.append({"phase": state["phase"], "start_gib": state["start"] / GIB,
-                     "peak_gib": torch.cuda.max_memory_allocated() / GIB})
+                     "peak_gib": torch.cuda.max_memory_allocated() / GIB,
+                     "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB})
         torch.cuda.reset_peak_memory_stats()
         state.update(phase=name, start=torch.cuda.memory_allocated())
 
@@ -177,7 +180,10 @@ def memory_phases(model, ids) -> list[dict]:
         hooks.append(layer.register_forward_hook(output_hook(i)))
     try:
         model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()  # the reserved memory grows from nothing, as in the timed steps: by phase
         torch.cuda.reset_peak_memory_stats()
+        state["start"] = torch.cuda.memory_allocated()
         loss = model(ids, labels=ids)
         enter("head backward")
         loss.backward()
@@ -238,7 +244,9 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
                        "peak_pool_held_gib": st.peak_host_bytes_held / 2 ** 30,
                        "dropped_prefetch_gib": st.dropped_prefetch_bytes / 2 ** 30,
                        "bundles_alive_after": st.bundles_alive,
-                       "kept_on_device_gib_per_step": st.kept_bytes / args.steps / 2 ** 30}}
+                       "kept_on_device_gib_per_step": st.kept_bytes / args.steps / 2 ** 30},
+           "decisions": [dict(graph=r.graph, **dataclasses.asdict(d)) for r in reports for d in r.decisions],
+           "recomputed_per_graph": [dict(r.recomputed) for r in reports]}
     if isinstance(plan, sacpass.ModelPlan):
         row["placements"] = offload_runtime.placements(plan)
     if device.type == "cuda":
@@ -276,7 +284,8 @@ def main(argv=None) -> dict:
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
     p.add_argument("--profile", action="store_true", help="profile one more step per variant (CUDA timeline)")
     p.add_argument("--memory", action="store_true",
-                   help="one more step per variant: peak allocated memory by phase (each layer's forward and backward)")
+                   help="one more step per variant: peak allocated and reserved memory by phase (each layer's forward and "
+                        "backward)")
     p.add_argument("--no-fp8", action="store_true")
     add_experts_option(p)
     p.add_argument("--out", default="benchmarks/results/bench_model.json")
@@ -312,7 +321,9 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
         finally:
             offload_runtime.set_prefetch_limit(default_prefetch)
-        print(name, json.dumps({k: v for k, v in result["variants"][name].items() if k != "step_ms"}), flush=True)
+        shown = {k: v for k, v in result["variants"][name].items()
+                 if k not in ("step_ms", "decisions", "recomputed_per_graph")}
+        print(name, json.dumps(shown), flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

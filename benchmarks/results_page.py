@@ -282,6 +282,9 @@ def r_model(e, plots):
     ctrl = vs.get("control", {}).get("step_ms_median")
     rows = []
     for v, m in vs.items():
+        if "step_ms_median" not in m:  # a variant that did not run through: its status and error
+            rows.append([f"`{v}`", {"oom": "out of memory"}.get(m.get("status"), m.get("status", "failed"))] + ["-"] * 7)
+            continue
         off = m.get("offload", {})
         rows.append([f"`{v}`", f(m["step_ms_median"] / 1e3), f(m["step_ms_median"] / ctrl, ".3f") if ctrl else "-",
                      f(m.get("peak_allocated_gib")), f(m.get("peak_reserved_gib")),
@@ -290,12 +293,16 @@ def r_model(e, plots):
                      m.get("bw_topk_runs_first_step", "-"), f(m.get("loss"), ".4f")])
     out += table(["variant", "step s", "/ control", "peak GiB", "peak reserved GiB", "host GiB per step (each way)",
                   "reloads prefetched", "bwd top-k runs", "loss"], rows)
+    out += [line for v, m in vs.items() if "step_ms_median" not in m and m.get("error")
+            for line in (f"`{v}`: {m['error']}", "")]
     phased = {v: m["memory_phases"] for v, m in vs.items() if m.get("memory_phases")}
     if phased:
         names = list(phased)
         phases = [p["phase"] for p in phased[names[0]] if "backward" in p["phase"]]
+        reserved = all("reserved_peak_gib" in p for v in names for p in phased[v])
         out += ["Peak allocated GiB by phase of one more step (`--memory`), backward phases: the memory allocated as "
-                "the phase began / its peak; **bold** where the variant's step peaks.", ""]
+                "the phase began / its peak" + (" (the peak reserved)" if reserved else "") +
+                "; **bold** where the variant's step peaks.", ""]
         rows = []
         for ph in phases:
             row = [ph]
@@ -303,6 +310,8 @@ def r_model(e, plots):
                 got = {p["phase"]: p for p in phased[v]}.get(ph)
                 top = max(p["peak_gib"] for p in phased[v])
                 cell = f"{f(got['start_gib'])} / {f(got['peak_gib'])}" if got else "-"
+                if got and reserved:
+                    cell += f" ({f(got['reserved_peak_gib'])})"
                 row.append(f"**{cell}**" if got and got["peak_gib"] == top else cell)
             rows.append(row)
         out += table(["phase"] + [f"`{v}`" for v in names], rows)

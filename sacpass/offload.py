@@ -26,7 +26,9 @@ Lifetimes (nothing here is freed by a garbage collection, and nothing outlives w
   once every copy that reads or writes it has finished (CUDA events).
 - A bundle lives exactly as long as one of its host tensors does: a forward whose backward never runs (an
   eval loop under grad, a skipped step, an exception in the loss) leaves nothing behind once its outputs go.
-- A prefetched copy that no backward consumed is freed when the backward that started it ends (an autograd
+- A reloaded copy the backward read is the backward's: its compute stream waited for the copy before any use,
+  so the allocator reuses its memory in that stream's order, at once (not after the copies queued behind it).
+  A prefetched copy that no backward consumed is freed when the backward that started it ends (an autograd
   final callback); ``record_stream`` orders the reuse of its device memory after its copy.
 
 The pool: host memory that sacpass owns, in slabs of a power of two bytes (which PyTorch's pinned allocator
@@ -392,9 +394,13 @@ class _Entry:
     h2d: "torch.cuda.Event | None" = None
     read: bool = False  # a backward has read it
 
-    def drop(self) -> None:
-        """Forget its device copy (read by the backward, or unread and freed)."""
+    def drop(self, read: bool = False) -> None:
+        """Forget its device copy: handed to the backward (``read``), whose compute stream waits for the copy
+        before any use, so its memory is reused in the compute stream's order; or freed unread, its memory
+        reused only once its copy has finished."""
         if self.reload is not None:
+            if not read and self.reload.is_cuda:
+                self.reload.record_stream(_stream("h2d", self.reload.device))
             self.reload = None
             _IN_FLIGHT[self.bundle.device] -= self.nbytes
 
@@ -483,7 +489,6 @@ def _issue_reload(entry: _Entry, device: torch.device) -> None:
     dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
     if device.type == "cuda":
         entry.h2d = _side_copy("h2d", device, dev, src, after=entry.d2h)
-        dev.record_stream(_stream("h2d", device))  # freed unread (a dropped prefetch): reused after the copy
         entry.block.events["h2d"] = entry.h2d
     else:
         dev.copy_(src)
@@ -546,7 +551,7 @@ def _read(entry: _Entry, device: torch.device) -> tuple[Tensor, "torch.cuda.Even
         _issue_reload(entry, device)
         _STATS.waited_reloads += 1
     out, event = entry.reload, entry.h2d
-    entry.drop()
+    entry.drop(read=True)
     if not entry.read:
         entry.read = True
         bundle.read.append(entry.position)

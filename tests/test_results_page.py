@@ -120,3 +120,16 @@ def test_plots_are_reproducible(copy):
         draw(str(a))
         draw(str(b))
         assert a.read_bytes() == b.read_bytes(), f"{name}: two renderings differ"
+
+
+def test_a_model_variant_that_ran_out_of_memory_is_a_row_with_its_error():
+    page = _module()
+    ran = {"step_ms_median": 2000.0, "peak_allocated_gib": 10.0, "peak_reserved_gib": 12.0, "loss": 1.0,
+           "memory_phases": [{"phase": "layer 0 backward", "start_gib": 1.0, "peak_gib": 10.0, "reserved_peak_gib": 12.0}]}
+    entry = {"meta": {"kind": "model"}, "data": {"args": {"layers": 2, "seq": 1024, "steps": 2, "warmup": 1},
+                      "variants": {"control": ran, "model_plan:8": {"status": "oom", "error": "CUDA out of memory."}}}}
+    text = "\n".join(page.r_model(entry, []))
+    assert "| `model_plan:8` | out of memory |" in text
+    assert "`model_plan:8`: CUDA out of memory." in text
+    assert "| `control` | 2.00 | 1.000 | 10.00 | 12.00 |" in text
+    assert "1.00 / **10.00 (12.00)**" not in text and "**1.00 / 10.00 (12.00)**" in text  # the peak phase, reserved

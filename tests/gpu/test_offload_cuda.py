@@ -94,6 +94,32 @@ def test_the_prefetch_limit_lowers_the_backward_peak_and_keeps_the_gradients():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # atomics in the gather's backward
 
 
+def test_a_read_reload_is_reused_at_once_and_an_unread_one_after_its_copy():
+    """The memory of a copy the backward read goes back to the compute stream's pool at once, while a later
+    copy still runs on the copy stream (the compute waited for its own copy before any use); that of a copy
+    freed unread is handed out only after its copy has finished."""
+    torch.cuda.empty_cache()
+    small = torch.randn(16 << 20, device="cuda")              # 64 MiB
+    big = torch.randn(1 << 30, device="cuda")                 # 4 GiB: about 80 ms of copy
+    h_small = torch.ops.sacpass.offload(small, 0, [])
+    h_big = torch.ops.sacpass.offload(big, 1, [])
+    torch.cuda.synchronize()
+    h2d = offload_runtime._stream("h2d", torch.device("cuda"))
+    got = torch.ops.sacpass.reload(h_small, torch.device("cuda"))  # issues small's copy, then prefetches big's
+    entry = offload_runtime._ENTRIES[h_big.data_ptr()]
+    assert entry.reload is not None and not h2d.query()      # big's copy queued behind small's, running
+    ptr, value = got.data_ptr(), got.clone()
+    del got
+    assert torch.empty(16 << 20, device="cuda").data_ptr() == ptr and not h2d.query()
+    big_ptr = entry.reload.data_ptr()
+    del h_big, entry
+    offload_runtime.stats()                                   # settles the dead host tensor: its copy dropped unread
+    assert not h2d.query()                                    # ... while the copy still writes into it
+    assert torch.empty(1 << 30, device="cuda").data_ptr() != big_ptr
+    torch.cuda.synchronize()
+    torch.testing.assert_close(value, small)
+
+
 def test_offloaded_tensor_is_pinned_host_memory():
     torch._dynamo.reset()
     be = sacpass.backend(inner="inductor", offload=["aten::addmm"])
