@@ -32,7 +32,8 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json
          "sparse_mla_bwd_dkv_layouts_64heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
          "layer_16k_128k_h200.json", "profile_layer_64k_fp8experts_h200.json", "frontier_1layer_h200.json",
          "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
-         "allocator_16layers_64k_h200.json", "prefetch_16layers_64k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
+         "allocator_16layers_64k_h200.json", "prefetch_16layers_64k_h200.json", "plan_8layers_128k_h200.json",
+         "allocator_8layers_128k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
 VARIANT_LABELS = {"default": "default"}
 
