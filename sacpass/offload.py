@@ -698,6 +698,7 @@ class _Placement:
     last: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # the step before: where, bytes
     host_used: int = 0  # this step
     device_used: int = 0
+    region_bytes: dict[int, int] = field(default_factory=dict)  # this step: position -> its values' bytes so far
     copy_bytes_per_s: float = 0.0  # the plan's cost model: a region's expected copy time, beside the measured
     waited: dict[int, int] = field(default_factory=dict)  # this step: region -> reloads not prefetched
     last_waited: dict[int, int] = field(default_factory=dict)  # the step before
@@ -707,7 +708,7 @@ class _Placement:
             self.table = self.solve(self.recording)
             self.last = dict(self.placed)
             self.last_waited = dict(self.waited)
-        self.recording, self.placed, self.host_used, self.device_used = {}, {}, 0, 0
+        self.recording, self.placed, self.host_used, self.device_used, self.region_bytes = {}, {}, 0, 0, {}
         self.waited = {}
 
     def solve(self, sizes: dict[tuple[int, int], int]) -> dict[tuple[int, int], str]:
@@ -731,14 +732,30 @@ class _Placement:
             f"gpu_bytes, or gpu_bytes={total - self.host_bytes} with this host_bytes; or recompile with a smaller "
             f"plan (its per-region share, (host_bytes + gpu_bytes) / layers, picks what is kept at all).")
 
+    def _later_device_bytes(self, position: int) -> int:
+        """In the first step, the device bytes the regions after ``position`` will keep, estimated as solve()
+        keeps them: each as large as the largest region before it this step (layers share graphs); with none
+        before it, the whole device budget."""
+        if position >= self.layers - 1:
+            return 0
+        seen = max((b for p, b in self.region_bytes.items() if p < position), default=0)
+        return min(self.gpu_bytes, (self.layers - 1 - position) * seen) if seen else self.gpu_bytes
+
     def place(self, position: int, index: int, nbytes: int) -> str:
         """Where value ``index`` of region ``position`` waits: the table (from the step before), or in the first
-        step the host while host_bytes lasts, then the device while gpu_bytes lasts."""
+        step as the table would place it, the regions still to come estimated from those before: the device
+        if the device budget, less what the later regions are expected to keep there, holds it; else the host
+        while host_bytes lasts; else the device while gpu_bytes lasts. So the first step takes about the host
+        memory of the steps after it, and the pool holds no more than they need."""
         key, size = (position, index), pool_bytes(nbytes)
         self.recording[key] = nbytes
         where = self.table.get(key) if self.table else None
         if where is None:
-            if self.host_used + size <= self.host_bytes:
+            room = self.gpu_bytes - self.device_used - self._later_device_bytes(position)
+            self.region_bytes[position] = self.region_bytes.get(position, 0) + nbytes
+            if position < self.layers and nbytes <= room:
+                where = "device"
+            elif self.host_used + size <= self.host_bytes:
                 where = "host"
             elif position < self.layers and self.device_used + nbytes <= self.gpu_bytes:
                 where = "device"

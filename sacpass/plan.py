@@ -117,9 +117,10 @@ class ModelPlan:
     - at run time, per value and region: keep it on the device or copy it to the host pool. The regions are
       numbered by their order in the step (the n-th forward since the last backward). From the last region
       backwards, values stay on the device while ``gpu_bytes`` lasts (their backward comes first, their
-      reloads would have nothing to hide behind); the rest goes to the host, within ``host_bytes``. The first
-      step measures: it sends values to the host while ``host_bytes`` lasts and keeps the rest; every later
-      step is placed from the sizes the step before it recorded (:func:`sacpass.offload.placements`).
+      reloads would have nothing to hide behind); the rest goes to the host, within ``host_bytes``. Every step
+      is placed from the sizes the step before it recorded (:func:`sacpass.offload.placements`); the first,
+      which has none, places the same way with each region still to come as large as the largest before it,
+      so its host pool grows no larger than the later steps need.
 
     layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host.
     gpu_bytes: device bytes the step may keep beyond the must-saves, all regions together.

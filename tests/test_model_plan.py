@@ -81,6 +81,17 @@ def test_placement_by_region_under_several_budgets(gpu, host, device_by_region):
     assert len(be.reports) == 1  # the layers share one graph: the placement differs, the graph does not
 
 
+@pytest.mark.parametrize("gpu", [REGION, 2 * REGION, 3 * REGION + 100])
+def test_the_first_step_places_as_the_steps_after_it(gpu):
+    """The first step has no sizes from a step before; it estimates the regions to come from those before
+    them, so it keeps the last regions on the device as the later steps do, rather than sending the host
+    (and so the pinned pool) more than they will ever use."""
+    _, first, first_rows, _ = _run(_plan(gpu, 1 << 20), steps=1)
+    _, later, rows, _ = _run(_plan(gpu, 1 << 20), steps=3)
+    assert [r["device_bytes"] for r in first_rows] == [r["device_bytes"] for r in rows]
+    assert first.offloaded_bytes == later.offloaded_bytes == LAYERS * REGION - (gpu // REGION) * REGION
+
+
 def test_a_region_kept_on_the_device_prefetches_the_one_before():
     _, st, rows, _ = _run(_plan(REGION, 1 << 20))
     assert rows[-1]["host_bytes"] == 0
