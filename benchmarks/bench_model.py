@@ -18,7 +18,8 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 ``pytorch_budget``: PyTorch's own solver alone (no checkpoint, Inductor under
 ``torch._functorch.config.activation_memory_budget=--budget``), and ``model_plan``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib)``: one plan for all
-layers, placed per layer at run time). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
+layers, placed per layer at run time); ``model_plan_fp8`` is the same with ``compress="fp8"`` (lossy: the values
+sent to the host go FP8-packed; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
 profiled step per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline;
@@ -54,8 +55,9 @@ from layerbench.variants import add_experts_option, experts_overrides  # noqa: E
 GIB = 2 ** 30
 
 
-def model_plan(args, gpu_gib: float) -> sacpass.ModelPlan:
-    return sacpass.ModelPlan(layers=args.layers, gpu_bytes=int(gpu_gib * GIB), host_bytes=int(args.step_host_gib * GIB))
+def model_plan(args, gpu_gib: float, compress: str | None = None) -> sacpass.ModelPlan:
+    return sacpass.ModelPlan(layers=args.layers, gpu_bytes=int(gpu_gib * GIB), host_bytes=int(args.step_host_gib * GIB),
+                             compress=compress)
 
 
 def backends(args) -> dict:
@@ -69,6 +71,8 @@ def backends(args) -> dict:
         "offload_ids": lambda _: sacpass.backend(inner=inner, offload=["glm52::dsa_topk_indices"]),
         "plan": lambda _: sacpass.backend(inner=inner, plan=sacpass.Plan(host_bytes=host)),
         "model_plan": lambda x: sacpass.backend(inner=inner, plan=model_plan(args, args.gpu_gib if x is None else x)),
+        "model_plan_fp8": lambda x: sacpass.backend(
+            inner=inner, plan=model_plan(args, args.gpu_gib if x is None else x, compress="fp8")),
         "budget": lambda x: sacpass.backend(inner=inner, memory_budget=args.budget if x is None else x),
         "pytorch_budget": lambda _: inner,
     }
@@ -121,7 +125,8 @@ def profile_step(model, ids, sync) -> dict:
         if e.get("cat") == "kernel":
             kernels.append(span)
             name = e["name"]
-            kind = ("sparse_mla" if "sparse" in name.lower() or "mla" in name.lower() else
+            kind = ("offload fp8 pack" if "pack_kernel" in name else
+                    "sparse_mla" if "sparse" in name.lower() or "mla" in name.lower() else
                     "topk/indexer" if "topk" in name.lower() or "logits" in name.lower() or "select" in name.lower() else
                     "gemm" if any(t in name.lower() for t in ("gemm", "sm90", "cutlass", "matmul", "mm_")) else
                     "triton" if name.startswith("triton") else "other")
@@ -244,7 +249,8 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
                        "peak_pool_held_gib": st.peak_host_bytes_held / 2 ** 30,
                        "dropped_prefetch_gib": st.dropped_prefetch_bytes / 2 ** 30,
                        "bundles_alive_after": st.bundles_alive,
-                       "kept_on_device_gib_per_step": st.kept_bytes / args.steps / 2 ** 30},
+                       "kept_on_device_gib_per_step": st.kept_bytes / args.steps / 2 ** 30,
+                       "packed_gib_per_step": st.packed_bytes / args.steps / 2 ** 30},
            "decisions": [dict(graph=r.graph, **dataclasses.asdict(d)) for r in reports for d in r.decisions],
            "recomputed_per_graph": [dict(r.recomputed) for r in reports]}
     if isinstance(plan, sacpass.ModelPlan):

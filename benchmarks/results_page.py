@@ -33,7 +33,8 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json
          "layer_16k_128k_h200.json", "profile_layer_64k_fp8experts_h200.json", "frontier_1layer_h200.json",
          "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
          "allocator_16layers_64k_h200.json", "prefetch_16layers_64k_h200.json", "plan_8layers_128k_h200.json",
-         "allocator_8layers_128k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
+         "allocator_8layers_128k_h200.json", "compress_16layers_64k_h200.json",
+         "compress_8layers_128k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
 VARIANT_LABELS = {"default": "default"}
 
@@ -296,6 +297,16 @@ def r_model(e, plots):
                   "reloads prefetched", "bwd top-k runs", "loss"], rows)
     out += [line for v, m in vs.items() if "step_ms_median" not in m and m.get("error")
             for line in (f"`{v}`: {m['error']}", "")]
+    profiled = {v: m["profile"] for v, m in vs.items() if m.get("profile")}
+    if profiled:
+        kinds = sorted({k for p in profiled.values() for k in p["kernel_ms_by_kind"]})
+        out += ["One profiled step more (`--profile`), from its CUDA timeline, s: kernel time by kind, the time "
+                "some kernel ran, the copies each way and how much of them no kernel ran beside.", ""]
+        out += table(["variant"] + kinds + ["kernels busy", "copies HtoD / DtoH", "not hidden HtoD / DtoH"],
+                     [[f"`{v}`"] + [f(p["kernel_ms_by_kind"].get(k, 0) / 1e3) for k in kinds]
+                      + [f(p["kernel_busy_ms"] / 1e3), f"{f(p['copy_ms']['HtoD'] / 1e3)} / {f(p['copy_ms']['DtoH'] / 1e3)}",
+                         f"{f(p['copy_not_hidden_ms']['HtoD'] / 1e3)} / {f(p['copy_not_hidden_ms']['DtoH'] / 1e3)}"]
+                      for v, p in profiled.items()])
     phased = {v: m["memory_phases"] for v, m in vs.items() if m.get("memory_phases")}
     if phased:
         names = list(phased)

@@ -58,11 +58,12 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
+from . import compression
 from .errors import OffloadError
 from .host import available_memory, physical_memory
 
 __all__ = ["set_host_limit", "host_limit", "set_prefetch_limit", "prefetch_limit", "stats", "reset_stats", "OffloadStats", "release_host_memory",
-           "pool_bytes", "ALIGN"]
+           "pool_bytes", "host_pool_bytes", "ALIGN"]
 
 _lock = threading.RLock()
 
@@ -114,6 +115,23 @@ def pool_bytes(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def packs(dtype: torch.dtype, compress: bool) -> bool:
+    """Whether a value of ``dtype`` goes to the host FP8-packed under a plan that compresses (floating ones)."""
+    return compress and dtype in compression.COMPRESSIBLE
+
+
+def host_pool_bytes(numel: int, dtype: torch.dtype, compress: bool = False) -> int:
+    """The pool bytes a value of ``numel`` elements of ``dtype`` takes on the host: its block, or with
+    ``compress`` and a floating dtype the blocks of its FP8 elements and their scales
+    (:mod:`sacpass.compression`)."""
+    return packed_pool_bytes(numel) if packs(dtype, compress) else pool_bytes(numel * dtype.itemsize)
+
+
+def packed_pool_bytes(numel: int) -> int:
+    """The pool bytes of ``numel`` elements FP8-packed: the blocks of the elements and of their scales."""
+    return pool_bytes(numel) + pool_bytes(compression.packed_bytes(numel) - numel)
+
+
 # ------------------------------------------------------------------------------------------------- stats
 @dataclass
 class OffloadStats:
@@ -131,6 +149,8 @@ class OffloadStats:
     peak_host_bytes_held: int = 0
     bundles_alive: int = 0  # bundles whose host tensors are still referenced (by an autograd graph)
     kept_bytes: int = 0  # values a model plan kept on the device instead of offloading
+    packed_bytes: int = 0  # values a model plan sent to the host FP8-packed (their own bytes; offloaded_bytes
+    #                        counts the packed bytes copied)
 
     def format(self) -> str:
         gib = 2 ** 30
@@ -140,7 +160,8 @@ class OffloadStats:
                 f"{self.host_bytes_alive / gib:.3f} GiB in use of {self.host_bytes_held / gib:.3f} GiB held "
                 f"(peaks {self.peak_host_bytes / gib:.3f} / {self.peak_host_bytes_held / gib:.3f}); "
                 f"{self.bundles_alive} bundles alive of {self.bundles} opened"
-                + (f"; model plan kept {self.kept_bytes / gib:.3f} GiB on the device" if self.kept_bytes else ""))
+                + (f"; model plan kept {self.kept_bytes / gib:.3f} GiB on the device" if self.kept_bytes else "")
+                + (f"; {self.packed_bytes / gib:.3f} GiB of values went FP8-packed" if self.packed_bytes else ""))
 
 
 _STATS = OffloadStats()
@@ -668,6 +689,7 @@ class _Stashed:
     source: "weakref.ref[Tensor]"  # the value stashed, while something else keeps it (a graph input's caller)
     version: int  # its version then: an in-place write before the backward is refused, as autograd does
     consumed: bool = False
+    scales: Tensor | None = None  # FP8-packed on the host: value holds its elements, this their tile scales
 
     def check_unchanged(self) -> None:
         x = self.source()
@@ -692,8 +714,10 @@ class _Placement:
     layers: int
     gpu_bytes: int
     host_bytes: int
+    compress: bool = False  # floating values go to the host FP8-packed (ModelPlan(compress="fp8"))
     table: dict[tuple[int, int], str] = field(default_factory=dict)
     recording: dict[tuple[int, int], int] = field(default_factory=dict)  # this step: (position, index) -> bytes
+    host_sizes: dict[tuple[int, int], int] = field(default_factory=dict)  # this step: pool bytes on the host
     placed: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # this step: where, bytes
     last: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # the step before: where, bytes
     host_used: int = 0  # this step
@@ -705,15 +729,18 @@ class _Placement:
 
     def new_step(self) -> None:
         if self.recording:
-            self.table = self.solve(self.recording)
+            self.table = self.solve(self.recording, self.host_sizes)
             self.last = dict(self.placed)
             self.last_waited = dict(self.waited)
-        self.recording, self.placed, self.host_used, self.device_used, self.region_bytes = {}, {}, 0, 0, {}
-        self.waited = {}
+        self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
+        self.host_used, self.device_used, self.waited = 0, 0, {}
 
-    def solve(self, sizes: dict[tuple[int, int], int]) -> dict[tuple[int, int], str]:
-        """From the last region back, keep values on the device while ``gpu_bytes`` lasts; the rest to the host.
-        Raises OffloadError when the host part passes ``host_bytes``."""
+    def solve(self, sizes: dict[tuple[int, int], int], host_sizes: dict[tuple[int, int], int] | None = None
+              ) -> dict[tuple[int, int], str]:
+        """From the last region back, keep values on the device while ``gpu_bytes`` lasts; the rest to the host
+        (each taking its ``host_sizes`` pool bytes there; by default its block). Raises OffloadError when the
+        host part passes ``host_bytes``."""
+        on_host = lambda k: (host_sizes or {}).get(k, pool_bytes(sizes[k]))  # noqa: E731
         table, device = {}, 0
         for key in sorted(sizes, reverse=True):
             if key[0] < self.layers and device + sizes[key] <= self.gpu_bytes:
@@ -721,10 +748,10 @@ class _Placement:
                 device += sizes[key]
             else:
                 table[key] = "host"
-        host = sum(pool_bytes(sizes[k]) for k, where in table.items() if where == "host")
+        host = sum(on_host(k) for k, where in table.items() if where == "host")
         if host <= self.host_bytes:
             return table
-        total = sum(pool_bytes(v) for v in sizes.values())
+        total = sum(map(on_host, sizes))
         raise OffloadError(
             f"sacpass: ModelPlan(layers={self.layers}, gpu_bytes={self.gpu_bytes}, host_bytes={self.host_bytes}) "
             f"cannot place this step: its planned values take {total} bytes, of which {host} would go to the "
@@ -741,14 +768,17 @@ class _Placement:
         seen = max((b for p, b in self.region_bytes.items() if p < position), default=0)
         return min(self.gpu_bytes, (self.layers - 1 - position) * seen) if seen else self.gpu_bytes
 
-    def place(self, position: int, index: int, nbytes: int) -> str:
+    def place(self, position: int, index: int, nbytes: int, packed: int | None = None) -> str:
         """Where value ``index`` of region ``position`` waits: the table (from the step before), or in the first
         step as the table would place it, the regions still to come estimated from those before: the device
         if the device budget, less what the later regions are expected to keep there, holds it; else the host
         while host_bytes lasts; else the device while gpu_bytes lasts. So the first step takes about the host
-        memory of the steps after it, and the pool holds no more than they need."""
-        key, size = (position, index), pool_bytes(nbytes)
+        memory of the steps after it, and the pool holds no more than they need. ``packed``: the value's
+        elements when it would go to the host FP8-packed (its host bytes are then those of the packed form)."""
+        key = (position, index)
+        size = pool_bytes(nbytes) if packed is None else packed_pool_bytes(packed)
         self.recording[key] = nbytes
+        self.host_sizes[key] = size
         where = self.table.get(key) if self.table else None
         if where is None:
             room = self.gpu_bytes - self.device_used - self._later_device_bytes(position)
@@ -771,7 +801,7 @@ class _Placement:
             self.host_used += size
         else:
             self.device_used += nbytes
-        self.placed[key] = (where, nbytes)
+        self.placed[key] = (where, nbytes if where == "device" or packed is None else compression.packed_bytes(packed))
         return where
 
 
@@ -783,6 +813,7 @@ def register_placement(plan) -> str:
     with _lock:
         if plan.key not in _PLACEMENTS:
             _PLACEMENTS[plan.key] = _Placement(plan.layers, plan.gpu_bytes, plan.host_budget(),
+                                               compress=plan.compress == "fp8",
                                                copy_bytes_per_s=plan.cost.copy_bytes_per_s)
     return plan.key
 
@@ -862,7 +893,8 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
                                f"before running graphs compiled (or cached) with it.")
         position, mark = _region(x.device, index, placement)
         nbytes = _host_layout(x)[2]
-        where = placement.place(position, index, nbytes)
+        packed = x.numel() if packs(x.dtype, placement.compress) else None
+        where = placement.place(position, index, nbytes, packed)
         key = next(_HANDLE_IDS)
         if where == "device":
             _STATS.kept_bytes += nbytes
@@ -870,9 +902,13 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
                                      version=x._version)
             return _handle(key)
         first, mark.bundled = not mark.bundled, True
-        host = offload(x, 0 if first else 1, [])  # index 0: the region's first host value opens its bundle
+        sent, scales = (x, None) if packed is None else compression.pack(x)  # packed on the compute stream
+        host = offload(sent, 0 if first else 1, [])  # index 0: the region's first host value opens its bundle
+        if scales is not None:
+            scales = offload(scales, 1, [])
+            _STATS.packed_bytes += nbytes
         _STASHED[key] = _Stashed(host, mark, on_host=True, placement=placement, position=position, source=weakref.ref(x),
-                                 version=x._version)
+                                 version=x._version, scales=scales)
     return _handle(key)
 
 
@@ -907,12 +943,15 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
             if torch._C._storage_Use_Count(out.untyped_storage()._cdata) > 2:
                 out = out.clone()
             return out
-        host = item.value
+        host, scales = item.value, item.scales
         entry = _ENTRIES.get(host.data_ptr()) if host.numel() else None
         if entry is not None and entry.reload is None:  # no prefetch issued its copy: the backward waits for it
             waited = item.placement.waited
             waited[item.position] = waited.get(item.position, 0) + 1
-    return reload(host, device)
+    if scales is None:
+        return reload(host, device)
+    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return compression.unpack(reload(host, device), reload(scales, device), out)
 
 
 @unstash.register_fake

@@ -130,6 +130,13 @@ class ModelPlan:
                the device for the last regions, offloaded for the rest. Parameters and buffers (the graph's
                static inputs) never move. Their bytes come out of the region's share first.
     hide, min_offload_bytes, cost: as in :class:`Plan`, per region.
+    compress:  None (default): values go to the host as they are, and come back bit for bit. ``"fp8"``: the
+               floating values sent to the host go FP8-packed (float8 e4m3, one fp32 scale per 128 elements:
+               0.52 of a bf16 value's bytes, :mod:`sacpass.compression`) and come back rebuilt in their dtype.
+               Lossy: each element within 1/16 of its magnitude, so the backward reads values close to, not
+               equal to, the forward's; the planner counts the packed bytes against ``host_bytes`` and the copy
+               window, so about twice as much fits. Values kept on the device, and integer and bool values
+               (indices, masks: discrete decisions), are never packed.
 
     A step whose values fit neither budget raises :class:`~sacpass.OffloadError` naming the smallest budgets
     that hold it, before the host pool runs out.
@@ -142,8 +149,13 @@ class ModelPlan:
     hide: float = 0.8
     min_offload_bytes: int = 1 << 20
     cost: CostModel = field(default_factory=CostModel)
+    compress: str | None = None
 
     def __post_init__(self) -> None:
+        if self.compress not in (None, "fp8"):
+            raise BackendOptionError(f"sacpass: ModelPlan(compress={self.compress!r}) is not a compression; pass None "
+                                     f"(values go to the host as they are, the default) or 'fp8' (floating values "
+                                     f"go FP8-packed, lossy).")
         if not isinstance(self.inputs, bool):
             raise BackendOptionError(f"sacpass: ModelPlan(inputs={self.inputs!r}) must be True (place the regions' "
                                      f"activation inputs too) or False (keep them on the device).")
@@ -159,11 +171,18 @@ class ModelPlan:
     @property
     def key(self) -> str:
         """What the compiled graphs name this plan by (its stash ops' argument): its budgets."""
-        return f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()},inputs={int(self.inputs)}"
+        return (f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()},inputs={int(self.inputs)}"
+                + (f",compress={self.compress}" if self.compress else ""))
 
     def region_share(self) -> int:
-        """The bytes one region may keep, on the device or the host, if every region of the step ran its graph."""
-        return (self.host_budget() + self.gpu_bytes) // self.layers
+        """The bytes one region may keep, on the device or the host, if every region of the step ran its graph.
+        With ``compress``, in packed bytes: the device's part, which stays unpacked, counts at the packing ratio
+        of bf16, so that the regions the device cannot hold fit ``host_bytes`` packed."""
+        gpu = self.gpu_bytes
+        if self.compress:
+            from .compression import BF16_RATIO
+            gpu = int(gpu * BF16_RATIO)
+        return (self.host_budget() + gpu) // self.layers
 
     def region_plan(self, placed_inputs: int = 0) -> Plan:
         """The per-graph part: the region's share less ``placed_inputs`` (the bytes of its activation inputs,

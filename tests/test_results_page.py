@@ -133,3 +133,15 @@ def test_a_model_variant_that_ran_out_of_memory_is_a_row_with_its_error():
     assert "`model_plan:8`: CUDA out of memory." in text
     assert "| `control` | 2.00 | 1.000 | 10.00 | 12.00 |" in text
     assert "1.00 / **10.00 (12.00)**" not in text and "**1.00 / 10.00 (12.00)**" in text  # the peak phase, reserved
+
+
+def test_a_profiled_model_variant_shows_its_kernels_by_kind_and_its_copies():
+    page = _module()
+    profile = {"kernel_ms_by_kind": {"gemm": 1500.0, "sparse_mla": 2500.0}, "kernel_busy_ms": 3900.0,
+               "copy_ms": {"HtoD": 700.0, "DtoH": 710.0}, "copy_not_hidden_ms": {"HtoD": 90.0, "DtoH": 40.0}}
+    entry = {"meta": {"kind": "model"}, "data": {"args": {"layers": 2, "seq": 1024, "steps": 2, "warmup": 1},
+                      "variants": {"control": {"step_ms_median": 4000.0},
+                                   "model_plan:8": {"step_ms_median": 3800.0, "profile": profile}}}}
+    text = "\n".join(page.r_model(entry, []))
+    assert "| variant | gemm | sparse_mla | kernels busy |" in text
+    assert "| `model_plan:8` | 1.50 | 2.50 | 3.90 | 0.70 / 0.71 | 0.09 / 0.04 |" in text

@@ -33,7 +33,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..errors import warn
 from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, node_op, op_name, size_hint,
                      tensor_nbytes, unpackers)
-from ..offload import host_limit, pool_bytes
+from ..compression import packed_bytes
+from ..offload import host_limit, host_pool_bytes, packs, pool_bytes
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
 from .tag_policy import OFFLOAD, TagResult
@@ -231,15 +232,32 @@ def _check_host_limit(plan: Plan) -> None:
              f"offloads that much raises OffloadError. Lower Plan(host_bytes=...) or raise the limit.")
 
 
-def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel) -> list[Decision]:
+def _host_cost(values: list[torch.fx.Node], compress: bool) -> tuple[int, int]:
+    """(pool bytes on the host, bytes copied each way) of ``values`` sent to the host one by one, FP8-packed
+    where ``compress`` packs them (floating values)."""
+    pooled = copied = 0
+    for v in values:
+        val = v.meta.get("val")
+        for t in val if isinstance(val, (list, tuple)) else [val]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            numel = tensor_nbytes(t) // t.element_size()
+            pooled += host_pool_bytes(numel, t.dtype, compress)
+            copied += packed_bytes(numel) if packs(t.dtype, compress) else tensor_nbytes(t)
+    return pooled, copied
+
+
+def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: bool = False) -> list[Decision]:
     """The activation inputs a model plan places (the offload pass stashes them): one Decision each."""
     by_name = {n.name: n for n in graph.find_nodes(op="placeholder")}
     out = []
     for name in inputs:
         nbytes = tensor_nbytes(by_name[name].meta["val"])
+        copied = _host_cost([by_name[name]], compress)[1]
         out.append(Decision(name=name, op="input", module="", bytes=nbytes, action="offload", recompute_ms=0.0,
-                            copy_ms=1e3 * cost.copy_seconds(nbytes),
-                            why="a region input: the model plan places it (device or host) per region"))
+                            copy_ms=1e3 * cost.copy_seconds(copied),
+                            why="a region input: the model plan places it (device or host) per region"
+                            + (f"; on the host FP8-packed ({copied} bytes, lossy)" if copied < nbytes else "")))
     return out
 
 
@@ -252,9 +270,11 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
         return ()
     graph = gm.graph
     placed_inputs: list[Decision] = []
+    compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
     if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
-        placed_inputs = _input_decisions(graph, inputs, plan.cost)
-        plan = plan.region_plan(sum(d.bytes for d in placed_inputs))
+        placed_inputs = _input_decisions(graph, inputs, plan.cost, compress)
+        by_name = {n.name: n for n in graph.find_nodes(op="placeholder")}
+        plan = plan.region_plan(sum(_host_cost([by_name[d.name]], compress)[0] for d in placed_inputs))
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()
     cands = _candidates(graph, backward)
@@ -273,21 +293,25 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     keep_reason = PLAN
     decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
-        copy_ms = 1e3 * cost.copy_seconds(c.nbytes)
+        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress) if compress else \
+            (pool_bytes(c.nbytes), c.nbytes)  # what the host pool really hands out for it, what its copy moves
+        copy_ms = 1e3 * cost.copy_seconds(copied)
         if c.nbytes <= gpu_left:
             gpu_left -= c.nbytes
             action, why = "save", "fits the device budget"
             _tag(tags, c, keep_reason, offload=False)
-        elif c.nbytes >= plan.min_offload_bytes and pool_bytes(c.nbytes) <= host_left and c.nbytes <= copy_left:
-            host_left -= pool_bytes(c.nbytes)  # what the host pool really hands out for it
-            copy_left -= c.nbytes
+        elif c.nbytes >= plan.min_offload_bytes and on_host <= host_left and copied <= copy_left:
+            host_left -= on_host
+            copy_left -= copied
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
+            if copied < c.nbytes:
+                why += f"; on the host FP8-packed ({copied} bytes, lossy)"
             _tag(tags, c, OFFLOAD, offload=True)
         else:
             action = "recompute"
             if c.nbytes < plan.min_offload_bytes:
                 why = f"device budget spent; under min_offload_bytes ({plan.min_offload_bytes})"
-            elif pool_bytes(c.nbytes) > host_left:
+            elif on_host > host_left:
                 why = "device and host budgets spent"
             else:
                 why = "device budget spent; the copy window is full"

@@ -1,0 +1,161 @@
+"""Lossy FP8 packing of floating activations, for the offload runtime's ``ModelPlan(compress="fp8")``.
+
+A value of ``n`` elements (bf16, fp16 or fp32), read in row-major order, is cut into tiles of 128 consecutive
+elements; each tile keeps one fp32 scale, ``amax * (1 / 448)``, and its elements as float8 e4m3 (``x / scale``,
+rounded to nearest). The packed form takes ``n + 4 * ceil(n / 128)`` bytes: 0.52 of a bf16 value, 0.26 of an
+fp32 one. Unpacking multiplies back: within a tile, an element comes back within 1/16 of its own magnitude
+(three mantissa bits), and elements below ``amax * 2**-9`` within ``amax * 2**-10`` (e4m3's subnormals). A tile
+holding an inf or a NaN comes back as NaN: a step that overflowed stays visibly broken. Integer and bool values
+(indices, masks: discrete decisions) are never packed: :func:`pack` refuses them.
+
+On a GPU the tile loop is one Triton kernel each way (what the runtime runs); elsewhere, and as the reference
+the GPU kernels are tested against, the same arithmetic in PyTorch ops, a bounded chunk at a time.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .errors import OffloadError
+
+__all__ = ["COMPRESSIBLE", "TILE", "BF16_RATIO", "packed_bytes", "pack", "unpack", "pack_reference", "unpack_reference"]
+
+TILE = 128  # elements per scale
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_INV_MAX = 1.0 / FP8_MAX  # scale = amax * this, in fp32 (the same rounding on every device)
+COMPRESSIBLE = (torch.bfloat16, torch.float16, torch.float32)
+BF16_RATIO = (1 + 4 / TILE) / 2  # packed bytes per byte of a bf16 value
+_CHUNK = 1 << 24  # elements per step of the PyTorch path (its fp32 temporaries stay at 64 MiB)
+
+
+def packed_bytes(numel: int) -> int:
+    """Bytes of the packed form of ``numel`` elements: one byte each and one fp32 scale per tile."""
+    return numel + 4 * (-(-numel // TILE))
+
+
+def _check(x: Tensor) -> None:
+    if x.dtype not in COMPRESSIBLE:
+        raise OffloadError(f"sacpass: FP8 compression packs floating activations ({', '.join(map(str, COMPRESSIBLE))}); "
+                           f"a {x.dtype} value {tuple(x.shape)} is not one (indices and masks are discrete decisions "
+                           f"and are never compressed). Offload it as it is.")
+
+
+def _flat(x: Tensor) -> Tensor:
+    """``x``'s elements in row-major order, one dimension (a view when ``x`` is contiguous, else a copy)."""
+    return x.reshape(-1)
+
+
+def _scales(tiles: Tensor) -> Tensor:
+    amax = tiles.abs().amax(dim=-1)
+    return torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))  # a product, as the kernel computes it
+
+
+def pack_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(elements as float8 e4m3 [n], scales as fp32 [ceil(n / 128)]) in PyTorch ops; see the module docstring."""
+    _check(x)
+    flat = _flat(x)
+    n = flat.numel()
+    q = torch.empty(n, dtype=FP8, device=x.device)
+    s = torch.empty(-(-n // TILE), dtype=torch.float32, device=x.device)
+    for start in range(0, n, _CHUNK):
+        part = flat[start:start + _CHUNK].float()
+        m = part.numel()
+        pad = -m % TILE
+        tiles = torch.nn.functional.pad(part, (0, pad)).view(-1, TILE)
+        scale = _scales(tiles)
+        vals = (tiles / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        q[start:start + m] = vals.view(-1)[:m]
+        s[start // TILE:start // TILE + scale.numel()] = scale
+    return q, s
+
+
+def unpack_reference(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
+    """Write the unpacked values into ``out`` (the value's shape, strides and dtype) and return it."""
+    if not out.is_contiguous():
+        return out.copy_(unpack_reference(q, s, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
+    flat = out.view(-1)
+    n = q.numel()
+    for start in range(0, n, _CHUNK):
+        part = q[start:start + _CHUNK].float()
+        m = part.numel()
+        pad = -m % TILE
+        tiles = torch.nn.functional.pad(part, (0, pad)).view(-1, TILE)
+        vals = tiles * s[start // TILE:start // TILE + tiles.shape[0], None]
+        flat[start:start + m] = vals.view(-1)[:m].to(out.dtype)
+    return out
+
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels (None where Triton is missing)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def pack_kernel(x_ptr, q_ptr, s_ptr, n, INV_MAX: tl.constexpr, ROWS: tl.constexpr, TILE_: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * TILE_ + tl.arange(0, TILE_)[None, :]
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, amax * INV_MAX, 1.0)
+        vals = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        vals = tl.minimum(tl.maximum(vals, -448.0), 448.0)
+        tl.store(q_ptr + offs, vals.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + rows, scale, mask=rows * TILE_ < n)
+
+    @triton.jit
+    def unpack_kernel(q_ptr, s_ptr, out_ptr, n, ROWS: tl.constexpr, TILE_: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * TILE_ + tl.arange(0, TILE_)[None, :]
+        mask = offs < n
+        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + rows, mask=rows * TILE_ < n, other=1.0)
+        tl.store(out_ptr + offs, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return triton, pack_kernel, unpack_kernel
+
+
+_ROWS = 32
+
+
+def _use_triton(x: Tensor) -> bool:
+    return x.is_cuda and _kernels() is not None
+
+
+def pack(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` packed: (float8 e4m3 elements [n], fp32 scales [ceil(n / 128)]), on ``x``'s device and stream."""
+    _check(x)
+    if not _use_triton(x):
+        return pack_reference(x)
+    triton, pack_kernel, _ = _kernels()
+    flat = _flat(x)
+    n = flat.numel()
+    q = torch.empty(n, dtype=FP8, device=x.device)
+    s = torch.empty(-(-n // TILE), dtype=torch.float32, device=x.device)
+    if n:
+        with torch.cuda.device(x.device):
+            pack_kernel[(triton.cdiv(s.numel(), _ROWS),)](flat, q, s, n, INV_MAX=_INV_MAX, ROWS=_ROWS, TILE_=TILE)
+    return q, s
+
+
+def unpack(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
+    """Write the values ``q`` and ``s`` pack into ``out`` (the value's shape, strides and dtype); returns ``out``."""
+    if not _use_triton(out):
+        return unpack_reference(q, s, out)
+    if not out.is_contiguous():
+        return out.copy_(unpack(q, s, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
+    triton, _, unpack_kernel = _kernels()
+    flat = out.view(-1)
+    n = q.numel()
+    if n:
+        with torch.cuda.device(out.device):
+            unpack_kernel[(triton.cdiv(s.numel(), _ROWS),)](q, s, flat, n, ROWS=_ROWS, TILE_=TILE)
+    return out

@@ -1,0 +1,108 @@
+"""ModelPlan(compress="fp8"): the FP8 packing of the values a model plan sends to the host (lossy, off by default).
+
+The codec: each tile of 128 elements within the bound its docstring states, whatever the length, layout or
+dtype; zeros stay zeros, a non-finite tile comes back NaN, integer values are refused. The plan: the packed
+bytes are what the host holds and the copies move, values kept on the device are not packed, the planner
+counts packed bytes (so a host budget that holds half of the raw values holds all of them packed), and the
+gradients stay close to eager's while differing from them (the backward really reads the rebuilt values).
+The Triton kernels against this reference: tests/gpu/test_compression_cuda.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sacpass
+import sacpass.offload as rt
+from sacpass.compression import TILE, pack, packed_bytes, unpack
+from helpers import relative_error
+from test_model_plan import LAYERS, REGION, _eager, _plan, _run
+
+
+def _bound(x: torch.Tensor) -> torch.Tensor:
+    """Per element, the error the packing may make: 1/16 of its magnitude, and e4m3's subnormal step below."""
+    flat = x.reshape(-1).float()
+    pad = -flat.numel() % TILE
+    amax = torch.nn.functional.pad(flat.abs(), (0, pad)).view(-1, TILE).amax(-1)
+    tile_amax = amax.repeat_interleave(TILE)[:flat.numel()]
+    return (flat.abs() / 16 + tile_amax * 2.0 ** -10).view(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1,), (127,), (1000,), (3, 257), (64, 128)])
+def test_a_packed_value_comes_back_within_the_tile_bound(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).to(dtype)
+    q, s = pack(x)
+    assert q.dtype == torch.float8_e4m3fn and q.numel() == x.numel()
+    assert s.dtype == torch.float32 and s.numel() == -(-x.numel() // TILE)
+    assert q.numel() + 4 * s.numel() == packed_bytes(x.numel())
+    y = unpack(q, s, torch.empty_like(x))
+    err = (y.float() - x.float()).abs()
+    assert bool((err <= _bound(x) + x.float().abs() * torch.finfo(dtype).eps).all()), err.max()
+    assert x.numel() == 1 or not torch.equal(y, x)  # lossy: three mantissa bits (a lone tile maximum is exact)
+
+
+def test_a_transposed_value_comes_back_in_its_own_layout():
+    x = torch.randn(256, 96).t()  # dense, not contiguous
+    q, s = pack(x)
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+    y = unpack(q, s, out)
+    assert y.stride() == x.stride()
+    assert bool(((y - x).abs() <= _bound(x) + 1e-6).all())
+
+
+def test_zeros_stay_zeros_and_a_non_finite_tile_comes_back_nan():
+    x = torch.zeros(3 * TILE)
+    x[TILE + 5] = float("inf")
+    y = unpack(*pack(x), torch.empty_like(x))
+    assert torch.equal(y[:TILE], x[:TILE]) and torch.equal(y[2 * TILE:], x[2 * TILE:])
+    assert bool(torch.isnan(y[TILE + 5]))  # an overflowed step stays visibly broken
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_discrete_values_are_never_packed(dtype):
+    with pytest.raises(sacpass.OffloadError, match="never compressed"):
+        pack(torch.zeros(256, dtype=dtype))
+
+
+def test_an_unknown_compression_is_refused_with_the_choices():
+    with pytest.raises(sacpass.BackendOptionError, match="'fp8'"):
+        sacpass.ModelPlan(layers=2, compress="int4")
+
+
+def _packed_region() -> int:
+    """A toy region's bytes on the host FP8-packed: its fp32 values, one by one (the decisions list them)."""
+    _, _, _, be = _run(_plan(0, 1 << 20), steps=1)
+    return sum(packed_bytes(d.bytes // 4) for d in be.reports[0].decisions if d.action == "offload")
+
+
+def test_the_host_holds_and_the_copies_move_the_packed_bytes():
+    packed = _packed_region()
+    assert packed < 0.27 * REGION  # fp32 values: a byte and 1/32 of a scale per element
+    grads, st, rows, _ = _run(_plan(REGION, 1 << 20, compress="fp8"))
+    assert [r["device_bytes"] for r in rows] == [0] * (LAYERS - 1) + [REGION]  # kept as they are
+    assert [r["host_bytes"] for r in rows] == [packed] * (LAYERS - 1) + [0]
+    assert st.offloaded_bytes == st.reloaded_bytes == (LAYERS - 1) * packed
+    assert st.packed_bytes == (LAYERS - 1) * REGION and st.kept_bytes == REGION
+    assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
+    ref = _eager()
+    for a, b in zip(grads[-1], ref):
+        assert relative_error(a, b) < 0.1
+    assert any(not torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(grads[-1], ref))
+
+
+def test_the_default_plan_sends_values_as_they_are():
+    grads, st, _, _ = _run(_plan(0, 1 << 20))
+    assert st.packed_bytes == 0 and st.offloaded_bytes == LAYERS * REGION
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(grads[-1], _eager()))
+
+
+def test_the_planner_counts_packed_bytes_against_the_host_budget():
+    host = LAYERS * REGION // 2  # half the raw values
+    _, _, _, exact = _run(_plan(0, host), steps=1)
+    _, _, _, packed = _run(_plan(0, host, compress="fp8"), steps=1)
+    actions = lambda be: [d.action for d in be.reports[0].decisions]  # noqa: E731
+    assert "recompute" in actions(exact)
+    assert set(actions(packed)) == {"offload"}
+    assert all("FP8-packed" in d.why for d in packed.reports[0].decisions)
