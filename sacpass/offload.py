@@ -752,11 +752,19 @@ class _Placement:
         if host <= self.host_bytes:
             return table
         total = sum(map(on_host, sizes))
+        gpu, left = 0, total  # the smallest device budget that holds the step: kept from the last region back
+        for key in sorted(sizes, reverse=True):
+            if left <= self.host_bytes:
+                break
+            if key[0] < self.layers:
+                gpu, left = gpu + sizes[key], left - on_host(key)
+        by_gpu = f"gpu_bytes={gpu} with this host_bytes" if left <= self.host_bytes else \
+            f"no gpu_bytes with this host_bytes (values of regions past layers={self.layers} always go to the host)"
         raise OffloadError(
             f"sacpass: ModelPlan(layers={self.layers}, gpu_bytes={self.gpu_bytes}, host_bytes={self.host_bytes}) "
-            f"cannot place this step: its planned values take {total} bytes, of which {host} would go to the "
-            f"host, past host_bytes. The smallest budgets that hold the step are host_bytes={host} with this "
-            f"gpu_bytes, or gpu_bytes={total - self.host_bytes} with this host_bytes; or recompile with a smaller "
+            f"cannot place this step: its planned values take {sum(sizes.values())} bytes ({total} in the host "
+            f"pool), of which {host} would go to the host, past host_bytes. The smallest budgets that hold the step "
+            f"are host_bytes={host} with this gpu_bytes, or {by_gpu}; or recompile with a smaller "
             f"plan (its per-region share, (host_bytes + gpu_bytes) / layers, picks what is kept at all).")
 
     def _later_device_bytes(self, position: int) -> int:

@@ -138,6 +138,13 @@ def test_a_placement_the_host_budget_cannot_hold_names_the_smallest_budgets():
         {(1, 0): "device", (0, 1): "host", (0, 0): "host"}
 
 
+def test_a_step_whose_regions_past_layers_pass_the_host_budget_says_no_device_budget_helps():
+    placement = rt._Placement(layers=1, gpu_bytes=0, host_bytes=1024)
+    with pytest.raises(sacpass.OffloadError, match=r"or no gpu_bytes with this host_bytes \(values of regions past "
+                                                   r"layers=1 always go to the host\)"):
+        placement.solve({(0, 0): 1024, (1, 0): 2048})
+
+
 def test_a_second_backward_through_a_value_kept_on_the_device_is_refused():
     from torch._functorch import config as functorch_config
 
