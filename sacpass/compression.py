@@ -43,50 +43,46 @@ def _check(x: Tensor) -> None:
                            f"and are never compressed). Offload it as it is.")
 
 
-def _flat(x: Tensor) -> Tensor:
-    """``x``'s elements in row-major order, one dimension (a view when ``x`` is contiguous, else a copy)."""
-    return x.reshape(-1)
-
-
 def _scales(tiles: Tensor) -> Tensor:
     amax = tiles.abs().amax(dim=-1)
     return torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))  # a product, as the kernel computes it
 
 
+def _empty_packed(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``x``'s elements in row-major order (a view when ``x`` is contiguous, else a copy), and its packed
+    form's buffers: the float8 elements and the fp32 scales."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    return flat, torch.empty(n, dtype=FP8, device=x.device), torch.empty(-(-n // TILE), dtype=torch.float32,
+                                                                         device=x.device)
+
+
+def _chunks(flat: Tensor):
+    """(start, element count, the chunk as fp32 tiles of TILE, the last one zero-padded) over ``flat``, a bounded
+    chunk at a time (chunks start on a tile)."""
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK].float()
+        yield start, part.numel(), torch.nn.functional.pad(part, (0, -part.numel() % TILE)).view(-1, TILE)
+
+
 def pack_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     """(elements as float8 e4m3 [n], scales as fp32 [ceil(n / 128)]) in PyTorch ops; see the module docstring."""
     _check(x)
-    flat = _flat(x)
-    n = flat.numel()
-    q = torch.empty(n, dtype=FP8, device=x.device)
-    s = torch.empty(-(-n // TILE), dtype=torch.float32, device=x.device)
-    for start in range(0, n, _CHUNK):
-        part = flat[start:start + _CHUNK].float()
-        m = part.numel()
-        pad = -m % TILE
-        tiles = torch.nn.functional.pad(part, (0, pad)).view(-1, TILE)
+    flat, q, s = _empty_packed(x)
+    for start, m, tiles in _chunks(flat):
         scale = _scales(tiles)
-        vals = (tiles / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-        q[start:start + m] = vals.view(-1)[:m]
+        q[start:start + m] = (tiles / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(-1)[:m]
         s[start // TILE:start // TILE + scale.numel()] = scale
     return q, s
 
 
 def unpack_reference(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
-    """Write the unpacked values into ``out`` (the value's shape, strides and dtype) and return it."""
-    if not out.is_contiguous():
-        return out.copy_(unpack_reference(q, s, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
+    """Write the unpacked values into ``out`` (contiguous, the value's shape and dtype) and return it."""
     flat = out.view(-1)
-    n = q.numel()
-    for start in range(0, n, _CHUNK):
-        part = q[start:start + _CHUNK].float()
-        m = part.numel()
-        pad = -m % TILE
-        tiles = torch.nn.functional.pad(part, (0, pad)).view(-1, TILE)
+    for start, m, tiles in _chunks(q):
         vals = tiles * s[start // TILE:start // TILE + tiles.shape[0], None]
         flat[start:start + m] = vals.view(-1)[:m].to(out.dtype)
     return out
-
 
 
 @functools.cache
@@ -136,10 +132,8 @@ def pack(x: Tensor) -> tuple[Tensor, Tensor]:
     if not _use_triton(x):
         return pack_reference(x)
     triton, pack_kernel, _ = _kernels()
-    flat = _flat(x)
+    flat, q, s = _empty_packed(x)
     n = flat.numel()
-    q = torch.empty(n, dtype=FP8, device=x.device)
-    s = torch.empty(-(-n // TILE), dtype=torch.float32, device=x.device)
     if n:
         with torch.cuda.device(x.device):
             pack_kernel[(triton.cdiv(s.numel(), _ROWS),)](flat, q, s, n, INV_MAX=_INV_MAX, ROWS=_ROWS, TILE_=TILE)
@@ -148,10 +142,10 @@ def pack(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def unpack(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
     """Write the values ``q`` and ``s`` pack into ``out`` (the value's shape, strides and dtype); returns ``out``."""
+    if not out.is_contiguous():  # the packed form is row-major
+        return out.copy_(unpack(q, s, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
     if not _use_triton(out):
         return unpack_reference(q, s, out)
-    if not out.is_contiguous():
-        return out.copy_(unpack(q, s, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
     triton, _, unpack_kernel = _kernels()
     flat = out.view(-1)
     n = q.numel()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compression import BF16_RATIO
 from .errors import BackendOptionError
 from .host import physical_memory
 
@@ -178,10 +179,7 @@ class ModelPlan:
         """The bytes one region may keep, on the device or the host, if every region of the step ran its graph.
         With ``compress``, in packed bytes: the device's part, which stays unpacked, counts at the packing ratio
         of bf16, so that the regions the device cannot hold fit ``host_bytes`` packed."""
-        gpu = self.gpu_bytes
-        if self.compress:
-            from .compression import BF16_RATIO
-            gpu = int(gpu * BF16_RATIO)
+        gpu = int(self.gpu_bytes * BF16_RATIO) if self.compress else self.gpu_bytes
         return (self.host_budget() + gpu) // self.layers
 
     def region_plan(self, placed_inputs: int = 0) -> Plan:

@@ -34,7 +34,7 @@ from ..errors import warn
 from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, node_op, op_name, size_hint,
                      tensor_nbytes, unpackers)
 from ..compression import packed_bytes
-from ..offload import host_limit, host_pool_bytes, packs, pool_bytes
+from ..offload import host_limit, host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
 from .tag_policy import OFFLOAD, TagResult
@@ -247,18 +247,20 @@ def _host_cost(values: list[torch.fx.Node], compress: bool) -> tuple[int, int]:
     return pooled, copied
 
 
-def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: bool = False) -> list[Decision]:
-    """The activation inputs a model plan places (the offload pass stashes them): one Decision each."""
+def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: bool) -> tuple[list[Decision], int]:
+    """The activation inputs a model plan places (the offload pass stashes them): one Decision each, and the
+    pool bytes they take on the host."""
     by_name = {n.name: n for n in graph.find_nodes(op="placeholder")}
-    out = []
+    out, pooled = [], 0
     for name in inputs:
         nbytes = tensor_nbytes(by_name[name].meta["val"])
-        copied = _host_cost([by_name[name]], compress)[1]
+        on_host, copied = _host_cost([by_name[name]], compress)
+        pooled += on_host
         out.append(Decision(name=name, op="input", module="", bytes=nbytes, action="offload", recompute_ms=0.0,
                             copy_ms=1e3 * cost.copy_seconds(copied),
                             why="a region input: the model plan places it (device or host) per region"
                             + (f"; on the host FP8-packed ({copied} bytes, lossy)" if copied < nbytes else "")))
-    return out
+    return out, pooled
 
 
 def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
@@ -272,9 +274,8 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     placed_inputs: list[Decision] = []
     compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
     if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
-        placed_inputs = _input_decisions(graph, inputs, plan.cost, compress)
-        by_name = {n.name: n for n in graph.find_nodes(op="placeholder")}
-        plan = plan.region_plan(sum(_host_cost([by_name[d.name]], compress)[0] for d in placed_inputs))
+        placed_inputs, on_host = _input_decisions(graph, inputs, plan.cost, compress)
+        plan = plan.region_plan(on_host)
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()
     cands = _candidates(graph, backward)
@@ -293,8 +294,8 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     keep_reason = PLAN
     decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
-        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress) if compress else \
-            (pool_bytes(c.nbytes), c.nbytes)  # what the host pool really hands out for it, what its copy moves
+        # what the host pool really hands out for it (a block per tensor), and what its copy moves
+        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress)
         copy_ms = 1e3 * cost.copy_seconds(copied)
         if c.nbytes <= gpu_left:
             gpu_left -= c.nbytes
