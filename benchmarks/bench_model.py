@@ -24,7 +24,8 @@ GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
 profiled step per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline;
 ``--memory`` one step's peak allocated and reserved memory by phase (each layer's forward and backward, the
-head). ``--append`` adds the variants to ``--out``'s, for a sweep that spans several commands on one machine
+head); with ``--segments``, each segment the allocator added then, the request that needed it and the
+largest free block at the time. ``--append`` adds the variants to ``--out``'s, for a sweep that spans several commands on one machine
 (each row keeps its command; ratios are against the file's control).
 """
 from __future__ import annotations
@@ -160,12 +161,16 @@ def profile_step(model, ids, sync) -> dict:
             "copy_not_hidden_ms": {w: unhidden(c) / 1e3 for w, c in copies.items()}}
 
 
-def memory_phases(model, ids) -> list[dict]:
+def memory_phases(model, ids, segments: bool = False) -> list[dict]:
     """One step's peak allocated and reserved memory by phase, in the order the phases ran: each layer's
     forward, the head (norm, logits, loss), each layer's backward (from its output's gradient to the next
     layer's), with the memory allocated as each began. The allocator's counters move as the host issues the
-    work, so the phases are cut on the host (module hooks, gradient hooks) without a synchronization."""
+    work, so the phases are cut on the host (module hooks, gradient hooks) without a synchronization.
+    ``segments``: also record the allocator's history (slow: a Python stack per allocation) and list, per
+    phase, each segment it added (:func:`segment_growth`)."""
     rows, state = [], {"phase": "embedding forward", "start": torch.cuda.memory_allocated()}
+    tag = getattr(torch.cuda.memory, "_set_memory_metadata", None) if segments else None
+    tag = tag or (lambda name: None)
 
     def enter(name):
         rows.append({"phase": state["phase"], "start_gib": state["start"] / GIB,
@@ -173,6 +178,7 @@ def memory_phases(model, ids) -> list[dict]:
                      "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB})
         torch.cuda.reset_peak_memory_stats()
         state.update(phase=name, start=torch.cuda.memory_allocated())
+        tag(name)
 
     def output_hook(i):
         def hook(module, inputs, out):
@@ -189,14 +195,91 @@ def memory_phases(model, ids) -> list[dict]:
         torch.cuda.empty_cache()  # the reserved memory grows from nothing, as in the timed steps: by phase
         torch.cuda.reset_peak_memory_stats()
         state["start"] = torch.cuda.memory_allocated()
+        if segments:
+            torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=1_000_000)
+            before = torch.cuda.memory._snapshot()
+            tag("embedding forward")
         loss = model(ids, labels=ids)
         enter("head backward")
         loss.backward()
         enter("end")
+        if segments:
+            growth = segment_growth(before, torch.cuda.memory._snapshot())
+            for row in rows:
+                row["segments_added"] = [g for g in growth if g["phase"] == row["phase"]]
     finally:
+        if segments:
+            tag("")
+            torch.cuda.memory._record_memory_history(enabled=None)
         for h in hooks:
             h.remove()
     return rows
+
+
+def _where(frames) -> str:
+    """The innermost frame of the project or of a compiled graph's code that asked for the memory."""
+    for f in frames or ():
+        name = f.get("filename", "")
+        if any(k in name for k in ("sacpass/", "glm52_model/", "torchinductor", "benchmarks/")):
+            return f"{os.path.basename(name)}:{f.get('line')}:{f.get('name')}"
+    return "?"
+
+
+def segment_growth(before: dict, after: dict) -> list[dict]:
+    """Each time the allocator asked the driver for a new segment during the recorded step: the segment and the
+    request that caused it, with the allocator's state just before (reserved, allocated, freed but awaiting
+    another stream's work, free in its cache, and the largest free block of the large pool), and the frame
+    that asked. Replayed from the allocator's trace, starting from the segments and blocks of ``before``."""
+    segs, live, pending = {}, {}, {}
+    for seg in before.get("segments", ()):
+        if seg.get("segment_type") != "large":
+            continue
+        segs[seg["address"]] = seg["total_size"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                live[b["address"]] = b["size"]
+            elif b["state"] == "active_awaiting_free":
+                pending[b["address"]] = b["size"]
+    trace = next((t for t in after.get("device_traces", ()) if t), [])
+    start = next((i + 1 for i, e in enumerate(trace) if e["action"] == "snapshot"), 0)
+    out = []
+
+    def largest_free() -> int:
+        used = sorted(list(live.items()) + list(pending.items()))
+        best = 0
+        for base, size in segs.items():
+            cursor, end = base, base + size
+            for a, n in used:
+                if a < base or a >= end:
+                    continue
+                best = max(best, a - cursor)
+                cursor = max(cursor, a + n)
+            best = max(best, end - cursor)
+        return best
+
+    for i in range(start, len(trace)):
+        e = trace[i]
+        act, addr, size = e["action"], e.get("addr"), e.get("size", 0)
+        if act == "segment_alloc" and size >= 1 << 20:
+            request = next((x for x in trace[i + 1:i + 4] if x["action"] == "alloc" and x.get("addr") == addr), e)
+            reserved, allocated, waiting = sum(segs.values()), sum(live.values()), sum(pending.values())
+            out.append({"phase": e.get("user_metadata") or "?", "segment_gib": size / GIB,
+                        "request_gib": request.get("size", 0) / GIB, "reserved_gib": reserved / GIB,
+                        "allocated_gib": allocated / GIB, "awaiting_free_gib": waiting / GIB,
+                        "cached_free_gib": (reserved - allocated - waiting) / GIB, "largest_free_gib": largest_free() / GIB,
+                        "where": _where(request.get("frames"))})
+            segs[addr] = size
+        elif act == "segment_free":
+            segs.pop(addr, None)
+        elif act == "alloc" and size >= 1 << 20:
+            live[addr] = size
+        elif act == "free_requested":
+            if live.pop(addr, None) is not None:
+                pending[addr] = size
+        elif act == "free_completed":
+            live.pop(addr, None)
+            pending.pop(addr, None)
+    return out
 
 
 def measure(args, spec, make_backend, device, dtype) -> dict:
@@ -264,7 +347,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         if args.profile:
             row["profile"] = profile_step(model, ids, sync)
         if args.memory:
-            row["memory_phases"] = memory_phases(model, ids)
+            row["memory_phases"] = memory_phases(model, ids, segments=args.segments)
     limit = offload_runtime.prefetch_limit()
     row["prefetch_limit_gib"] = None if limit is None else limit / GIB
     del model, be
@@ -292,6 +375,9 @@ def main(argv=None) -> dict:
     p.add_argument("--memory", action="store_true",
                    help="one more step per variant: peak allocated and reserved memory by phase (each layer's forward and "
                         "backward)")
+    p.add_argument("--segments", action="store_true",
+                   help="with --memory: list each segment the allocator added in the step, by phase, with the request "
+                        "that needed it and the largest free block then (records the allocator's history: slow)")
     p.add_argument("--no-fp8", action="store_true")
     add_experts_option(p)
     p.add_argument("--out", default="benchmarks/results/bench_model.json")

@@ -147,3 +147,31 @@ def test_sparse_mla_bwd_kernel_constant_rejects_unknown_value():
     out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, 0.05, 512)
     with mock.patch.object(tl, "BWD_KERNEL", "bogus"), pytest.raises(ValueError, match="BWD_KERNEL"):
         tl.sparse_mla_bwd_tl(q, kv, out, torch.randn_like(out), idx, lse, 0.05, 512)
+
+
+def test_sparse_mla_bwd_memory_beyond_its_outputs_is_bounded():
+    """The backward's delta = sum(out * dout) in fp32 goes a chunk of rows at a time: at 8K queries x 64 heads,
+    fp32 copies of out and dout and their product would be 3 GiB at once; the chunked form needs at most
+    3 x _ROW_DOT_BYTES beside dq, dkv and the launcher's index copy, and gives the same dq and dkv."""
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+    S, Sk, topk, H = 8192, 8192, 128, 64
+    q, kv, idx = _inputs(S, Sk, H, topk, seed=5)
+    scale = 576 ** -0.5
+    out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
+    dout = torch.randn_like(out)
+    torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)  # kernels built, cache warm
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dq, dkv = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    outputs = dq.numel() * dq.element_size() + kv.numel() * 4 + dkv.numel() * dkv.element_size()
+    bound = outputs + 3 * tl._ROW_DOT_BYTES + 2 * idx.numel() * 4 + (64 << 20)
+    assert extra <= bound, f"backward took {extra / 2**20:.0f} MiB beyond its inputs, bound {bound / 2**20:.0f} MiB"
+    assert torch.equal(tl._row_dot(out, dout), (out.float() * dout.float()).sum(-1))
+    from unittest import mock
+    with mock.patch.object(tl, "_ROW_DOT_BYTES", 1 << 40):  # one chunk: the whole tensors at once
+        dq1, dkv1 = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+    assert_similar(dq.float(), dq1.float(), min_cos=0.99999, max_rel=1e-3, what="dq vs unchunked")
+    assert_similar(dkv.float(), dkv1.float(), min_cos=0.99999, max_rel=1e-3, what="dkv vs unchunked")

@@ -69,3 +69,17 @@ def test_opcheck(dtype):
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.glm52.sparse_mla_bwd,
                           (q.detach(), kv.detach(), out.detach(), dout, idx, lse, scale, d_v))
+
+
+def test_cuda_backward_delta_by_chunks_equals_the_whole(monkeypatch):
+    """The CUDA backward's delta = sum(out * dout) in fp32 goes a few rows at a time (bounded temporaries):
+    chunks that do not divide the rows, one row a chunk, and one chunk for all give the same [S, H]."""
+    tl = pytest.importorskip("glm52_model.ops.cuda.sparse_mla_tl", reason="TileLang not installed")
+    g = torch.Generator().manual_seed(3)
+    out, dout = (torch.randn(37, 4, 64, generator=g).bfloat16() for _ in range(2))
+    whole = (out.float() * dout.float()).sum(-1)
+    for rows in (5, 1, 64):
+        monkeypatch.setattr(tl, "_ROW_DOT_BYTES", rows * 4 * 4 * 64)
+        got = tl._row_dot(out, dout)
+        assert got.dtype == torch.float32 and got.shape == (37, 4)
+        assert torch.equal(got, whole), rows

@@ -785,6 +785,21 @@ def sparse_mla_tl(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_s
     return out, lse
 
 
+_ROW_DOT_BYTES = 256 << 20  # fp32 temporaries of one chunk of rows
+
+
+def _row_dot(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """sum(out * dout, -1) in fp32, [S, H]: a chunk of rows at a time, so the fp32 copies of the two [S, H, d_v]
+    tensors (twice their bf16 bytes each) never exist whole."""
+    S = out.shape[0]
+    delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+    rows = max(1, _ROW_DOT_BYTES // max(1, 4 * out[0].numel()))
+    for a in range(0, S, rows):
+        b = min(S, a + rows)
+        torch.sum(out[a:b].float() * dout[a:b].float(), -1, out=delta[a:b])
+    return delta
+
+
 def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                       indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
                       d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -807,7 +822,7 @@ def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
         tun = bwd_tunables(Hp)
         idx = _prep_indices(indices, tun["block_I"])
         compile_bwd = compile_sparse_mla_bwd
-    delta = (out.float() * dout.float()).sum(-1)  # [S, H]
+    delta = _row_dot(out, dout)  # [S, H]
     qp = pad_dim(q, 1, Hp)
     dop = pad_dim(dout.to(torch.bfloat16), 1, Hp)
     lsep = pad_dim(lse.float(), 1, Hp)

@@ -1,0 +1,49 @@
+"""bench_model's allocator replay (``--segments``): each segment the CUDA caching allocator added, with the state
+it was added in, from the allocator's recorded trace. The trace here is written by hand in the format of
+``torch.cuda.memory._snapshot()`` (no GPU needed)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_model  # noqa: E402
+
+G = 1 << 30
+
+
+def _frames(path):
+    return [{"filename": "/usr/lib/python3/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": path, "line": 42, "name": "fn"}]
+
+
+def test_segment_growth_replays_the_trace_from_the_snapshot_before():
+    before = {"segments": [
+        {"segment_type": "large", "address": 0, "total_size": 8 * G, "blocks": [
+            {"state": "active_allocated", "address": 0, "size": 2 * G},
+            {"state": "inactive", "address": 2 * G, "size": 2 * G},
+            {"state": "active_allocated", "address": 4 * G, "size": 1 * G},
+            {"state": "inactive", "address": 5 * G, "size": 3 * G}]},
+        {"segment_type": "small", "address": 100 * G, "total_size": 2 << 20, "blocks": []}]}
+    trace = [
+        {"action": "alloc", "addr": 0, "size": 4096},  # before the snapshot: not replayed
+        {"action": "snapshot", "addr": 0, "size": 0},
+        {"action": "alloc", "addr": 2 * G, "size": 1 * G, "user_metadata": "layer 0 forward"},
+        {"action": "free_requested", "addr": 4 * G, "size": 1 * G},  # awaits another stream's copy
+        # needs 4 GiB: free are 1 GiB at 3 GiB and 3 GiB at 5 GiB, 1 GiB awaiting at 4 GiB: none is large enough
+        {"action": "segment_alloc", "addr": 20 * G, "size": 4 * G, "user_metadata": "layer 3 backward"},
+        {"action": "alloc", "addr": 20 * G, "size": 4 * G, "frames": _frames("/w/sacpass/offload.py")},
+        {"action": "free_completed", "addr": 4 * G, "size": 1 * G},
+        {"action": "segment_alloc", "addr": 30 * G, "size": 6 * G, "user_metadata": "layer 2 backward"},
+        {"action": "alloc", "addr": 30 * G, "size": 6 * G, "frames": _frames("/tmp/x/lib.py")},
+        {"action": "segment_free", "addr": 20 * G, "size": 4 * G},
+        {"action": "segment_alloc", "addr": 40 * G, "size": 1 << 19},  # small pool: not listed
+    ]
+    growth = bench_model.segment_growth(before, {"device_traces": [trace]})
+    assert [g["phase"] for g in growth] == ["layer 3 backward", "layer 2 backward"]
+    first, second = growth
+    assert (first["segment_gib"], first["request_gib"], first["reserved_gib"]) == (4, 4, 8)
+    assert (first["allocated_gib"], first["awaiting_free_gib"], first["cached_free_gib"]) == (3, 1, 4)
+    assert first["largest_free_gib"] == 3 and first["where"] == "offload.py:42:fn"
+    # the awaited block came free, joining its neighbours (3 GiB at 4 GiB + 1 GiB before it): 5 GiB contiguous
+    assert (second["reserved_gib"], second["allocated_gib"], second["awaiting_free_gib"]) == (12, 7, 0)
+    assert second["largest_free_gib"] == 5 and second["where"] == "?"
