@@ -17,8 +17,8 @@ that recompute every op, the top-k included), ``sacpass`` (the default backend),
 IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``budget`` (``memory_budget``), and
 ``pytorch_budget``: PyTorch's own solver alone (no checkpoint, Inductor under
 ``torch._functorch.config.activation_memory_budget=--budget``), and ``model_plan``
-(``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib)``: one plan for all
-layers, placed per layer at run time); ``model_plan_fp8`` is the same with ``compress="fp8"`` (lossy: the values
+(``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib, peak_bytes=--peak-gib)``:
+one plan for all layers, placed per layer at run time); ``model_plan_fp8`` is the same with ``compress="fp8"`` (lossy: the values
 sent to the host go FP8-packed; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
@@ -58,7 +58,7 @@ GIB = 2 ** 30
 
 def model_plan(args, gpu_gib: float, compress: str | None = None) -> sacpass.ModelPlan:
     return sacpass.ModelPlan(layers=args.layers, gpu_bytes=int(gpu_gib * GIB), host_bytes=int(args.step_host_gib * GIB),
-                             compress=compress)
+                             compress=compress, peak_bytes=None if args.peak_gib is None else int(args.peak_gib * GIB))
 
 
 def backends(args) -> dict:
@@ -338,6 +338,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
            "recomputed_per_graph": [dict(r.recomputed) for r in reports]}
     if isinstance(plan, sacpass.ModelPlan):
         row["placements"] = offload_runtime.placements(plan)
+        row["device_budget"] = offload_runtime.device_budget(plan)
     if device.type == "cuda":
         host = torch.cuda.host_memory_stats()  # what PyTorch's pinned allocator holds (sacpass's pool lives there)
         row["offload"]["pytorch_pinned_gib"] = host.get("allocated_bytes.current", 0) / 2 ** 30
@@ -371,6 +372,9 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
+    p.add_argument("--peak-gib", type=float, default=None,
+                   help="model_plan: the device peak the step may reach (ModelPlan(peak_bytes=)); the plan keeps more "
+                        "on the device, step by step, while the measured peak stays within it")
     p.add_argument("--profile", action="store_true", help="profile one more step per variant (CUDA timeline)")
     p.add_argument("--memory", action="store_true",
                    help="one more step per variant: peak allocated and reserved memory by phase (each layer's forward and "

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field, fields
 
@@ -59,10 +60,11 @@ import torch
 from torch import Tensor
 
 from . import compression
-from .errors import OffloadError
+from .errors import OffloadError, SacpassWarning
 from .host import available_memory, physical_memory
 
 __all__ = ["set_host_limit", "host_limit", "set_prefetch_limit", "prefetch_limit", "stats", "reset_stats", "OffloadStats", "release_host_memory",
+           "placements", "format_placements", "device_budget",
            "pool_bytes", "host_pool_bytes", "ALIGN"]
 
 _lock = threading.RLock()
@@ -726,24 +728,73 @@ class _Placement:
     copy_bytes_per_s: float = 0.0  # the plan's cost model: a region's expected copy time, beside the measured
     waited: dict[int, int] = field(default_factory=dict)  # this step: region -> reloads not prefetched
     last_waited: dict[int, int] = field(default_factory=dict)  # the step before
+    peak_bytes: int | None = None  # ModelPlan(peak_bytes=): the device budget follows the measured peak
+    device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
+    device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
+    peak_read: int | None = None  # the device's peak as the last step's backward ended
+    step_peak: int | None = None  # this step's: read at the end of each backward that unstashed its values
+    peak_task: int = -1  # the backward whose end reads it
+    warned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device_budget < 0:
+            self.device_budget = self.gpu_bytes
 
     def new_step(self) -> None:
         if self.recording:
+            self._follow_peak()
             self.table = self.solve(self.recording, self.host_sizes)
             self.last = dict(self.placed)
             self.last_waited = dict(self.waited)
         self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
         self.host_used, self.device_used, self.waited = 0, 0, {}
 
+    def read_peak_after_backward(self) -> None:
+        """With peak_bytes, inside a backward: read the device's peak when it ends (an autograd final callback),
+        so a reset_peak_memory_stats between steps leaves the step's own peak to read."""
+        task = torch._C._current_graph_task_id()
+        if self.peak_bytes is None or self.device is None or task < 0 or task == self.peak_task:
+            return
+        self.peak_task = task
+
+        def read() -> None:
+            peak = _device_peak(self.device)
+            if peak is not None:
+                with _lock:
+                    self.step_peak = max(self.step_peak or 0, peak)
+        torch.autograd.Variable._execution_engine.queue_callback(read)
+
+    def _follow_peak(self) -> None:
+        """With peak_bytes: move the device budget by the step's measured peak (see ModelPlan.peak_bytes)."""
+        peak, self.step_peak = self.step_peak, None
+        if peak is None:
+            return
+        if peak < self.peak_bytes:  # at most every value of the step (the budget stops growing there)
+            everything = sum(self.recording.values())
+            self.device_budget = max(self.device_budget, min(self.device_budget + self.peak_bytes - peak, everything))
+        elif peak > self.peak_bytes and (self.peak_read is None or peak > self.peak_read):  # rose past the cap
+            lowered = max(self.gpu_bytes, self.device_budget - (peak - self.peak_bytes))
+            if lowered == self.device_budget and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"sacpass: ModelPlan(peak_bytes={self.peak_bytes}): the step peaked at {peak} bytes on the device "
+                    f"with the device budget at gpu_bytes={self.gpu_bytes}, the least it keeps. Lower gpu_bytes, or "
+                    f"raise peak_bytes to what the step needs; the plan goes on at gpu_bytes. (The peak read is "
+                    f"torch.cuda.max_memory_allocated(): if the compiling step set it, call "
+                    f"torch.cuda.reset_peak_memory_stats() after that step.)", SacpassWarning,
+                    stacklevel=2)
+            self.device_budget = lowered
+        self.peak_read = peak
+
     def solve(self, sizes: dict[tuple[int, int], int], host_sizes: dict[tuple[int, int], int] | None = None
               ) -> dict[tuple[int, int], str]:
-        """From the last region back, keep values on the device while ``gpu_bytes`` lasts; the rest to the host
-        (each taking its ``host_sizes`` pool bytes there; by default its block). Raises OffloadError when the
-        host part passes ``host_bytes``."""
+        """From the last region back, keep values on the device while the device budget (``gpu_bytes``, or as
+        the measured peak moved it) lasts; the rest to the host (each taking its ``host_sizes`` pool bytes
+        there; by default its block). Raises OffloadError when the host part passes ``host_bytes``."""
         on_host = lambda k: (host_sizes or {}).get(k, pool_bytes(sizes[k]))  # noqa: E731
         table, device = {}, 0
         for key in sorted(sizes, reverse=True):
-            if key[0] < self.layers and device + sizes[key] <= self.gpu_bytes:
+            if key[0] < self.layers and device + sizes[key] <= self.device_budget:
                 table[key] = "device"
                 device += sizes[key]
             else:
@@ -774,7 +825,7 @@ class _Placement:
         if position >= self.layers - 1:
             return 0
         seen = max((b for p, b in self.region_bytes.items() if p < position), default=0)
-        return min(self.gpu_bytes, (self.layers - 1 - position) * seen) if seen else self.gpu_bytes
+        return min(self.device_budget, (self.layers - 1 - position) * seen) if seen else self.device_budget
 
     def place(self, position: int, index: int, nbytes: int, packed: int | None = None) -> str:
         """Where value ``index`` of region ``position`` waits: the table (from the step before), or in the first
@@ -789,13 +840,13 @@ class _Placement:
         self.host_sizes[key] = size
         where = self.table.get(key) if self.table else None
         if where is None:
-            room = self.gpu_bytes - self.device_used - self._later_device_bytes(position)
+            room = self.device_budget - self.device_used - self._later_device_bytes(position)
             self.region_bytes[position] = self.region_bytes.get(position, 0) + nbytes
             if position < self.layers and nbytes <= room:
                 where = "device"
             elif self.host_used + size <= self.host_bytes:
                 where = "host"
-            elif position < self.layers and self.device_used + nbytes <= self.gpu_bytes:
+            elif position < self.layers and self.device_used + nbytes <= self.device_budget:
                 where = "device"
             else:
                 raise OffloadError(
@@ -822,7 +873,8 @@ def register_placement(plan) -> str:
         if plan.key not in _PLACEMENTS:
             _PLACEMENTS[plan.key] = _Placement(plan.layers, plan.gpu_bytes, plan.host_budget(),
                                                compress=plan.compress == "fp8",
-                                               copy_bytes_per_s=plan.cost.copy_bytes_per_s)
+                                               copy_bytes_per_s=plan.cost.copy_bytes_per_s,
+                                               peak_bytes=plan.peak_bytes)
     return plan.key
 
 
@@ -848,6 +900,25 @@ def placements(plan=None) -> list[dict]:
                 if pos in rows:
                     rows[pos]["reloads_waited"] += n
         return [rows[p] for p in sorted(rows)]
+
+
+def device_budget(plan) -> dict:
+    """A model plan's device budget: ``gpu_bytes`` (where it started), ``device_budget`` (what the next step
+    keeps on the device), ``peak_bytes`` (the cap, or None) and ``peak_read`` (the device's peak allocated
+    memory as the last step's backward ended, or None before one has, or where there is none to read)."""
+    with _lock:
+        pl = _PLACEMENTS.get(plan.key)
+        if pl is None:
+            raise OffloadError(f"sacpass: {plan!r} is not registered: build a backend with it (sacpass.backend(plan="
+                               f"...)) before asking for its device budget.")
+        return {"gpu_bytes": pl.gpu_bytes, "device_budget": pl.device_budget, "peak_bytes": pl.peak_bytes,
+                "peak_read": pl.peak_read}
+
+
+def _device_peak(device: tuple[str, int]) -> int | None:
+    """The device's peak allocated memory (since the process began or the last reset_peak_memory_stats), where
+    there is one (a GPU)."""
+    return torch.cuda.max_memory_allocated(device[1]) if device[0] == "cuda" else None
 
 
 def format_placements(plan=None) -> str:
@@ -899,6 +970,7 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
             raise OffloadError(f"sacpass: a compiled graph stashes values for the model plan {plan!r}, which no "
                                f"sacpass.ModelPlan in this process declares; build the backend with that plan "
                                f"before running graphs compiled (or cached) with it.")
+        placement.device = _device_key(x.device)
         position, mark = _region(x.device, index, placement)
         nbytes = _host_layout(x)[2]
         packed = x.numel() if packs(x.dtype, placement.compress) else None
@@ -938,6 +1010,7 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
         if not item.on_host:  # a value kept on the device: prefetch the region before (its backward is next)
             _prefetch(torch.device(device), None, _deref(item.mark.before))
         item.mark.started = True
+        item.placement.read_peak_after_backward()
         item.check_unchanged()
         if not item.on_host:
             if item.consumed:

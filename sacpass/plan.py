@@ -138,6 +138,17 @@ class ModelPlan:
                equal to, the forward's; the planner counts the packed bytes against ``host_bytes`` and the copy
                window, so about twice as much fits. Values kept on the device, and integer and bool values
                (indices, masks: discrete decisions), are never packed.
+    peak_bytes: None (default): the step keeps ``gpu_bytes`` on the device. An int: the device memory the step
+               may peak at (``torch.cuda.max_memory_allocated``; e.g. full recompute's peak, measured, or the
+               GPU's memory less a margin). After each step the run time reads that peak and raises the device
+               budget by what it left under ``peak_bytes``, so the next step keeps more of the last regions'
+               values on the device instead of copying them (``gpu_bytes`` is where it starts). A value kept
+               instead of copied adds its bytes at most to any moment of the step, so the peak stays within
+               ``peak_bytes``; a step that passes it anyway (the peak rose past it) lowers the budget by the
+               excess, never below ``gpu_bytes``, and one whose budget is already there warns. The peak read is
+               the highest since the last ``torch.cuda.reset_peak_memory_stats()``: reset it after the compiling
+               step if that one peaks higher. The budget, the cap and the peak read:
+               :func:`sacpass.offload.device_budget`.
 
     A step whose values fit neither budget raises :class:`~sacpass.OffloadError` naming the smallest budgets
     that hold it, before the host pool runs out.
@@ -151,8 +162,14 @@ class ModelPlan:
     min_offload_bytes: int = 1 << 20
     cost: CostModel = field(default_factory=CostModel)
     compress: str | None = None
+    peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.peak_bytes is not None and (isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, int)
+                                            or self.peak_bytes <= 0):
+            raise BackendOptionError(f"sacpass: ModelPlan(peak_bytes={self.peak_bytes!r}) must be None (keep gpu_bytes "
+                                     f"on the device) or an int > 0: the device memory the step may peak at, e.g. "
+                                     f"full recompute's torch.cuda.max_memory_allocated().")
         if self.compress not in (None, "fp8"):
             raise BackendOptionError(f"sacpass: ModelPlan(compress={self.compress!r}) is not a compression; pass None "
                                      f"(values go to the host as they are, the default) or 'fp8' (floating values "
@@ -173,7 +190,8 @@ class ModelPlan:
     def key(self) -> str:
         """What the compiled graphs name this plan by (its stash ops' argument): its budgets."""
         return (f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()},inputs={int(self.inputs)}"
-                + (f",compress={self.compress}" if self.compress else ""))
+                + (f",compress={self.compress}" if self.compress else "")
+                + (f",peak={self.peak_bytes}" if self.peak_bytes is not None else ""))
 
     def region_share(self) -> int:
         """The bytes one region may keep, on the device or the host, if every region of the step ran its graph.

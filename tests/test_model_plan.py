@@ -8,6 +8,8 @@ tests/gpu/test_model_offload_cuda.py.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -36,6 +38,7 @@ def _x():
 @pytest.fixture(autouse=True)
 def _clean():
     rt.release_host_memory()
+    rt._PLACEMENTS.clear()  # equal plans share their run-time state (the learned device budget) in a process
     yield
     rt.release_host_memory()
 
@@ -171,6 +174,10 @@ def test_model_plan_checks_its_arguments():
     assert sacpass.ModelPlan(layers=3, inputs=False).key != sacpass.ModelPlan(layers=3).key
     with pytest.raises(sacpass.BackendOptionError, match="inputs"):
         sacpass.ModelPlan(layers=2, inputs=1)
+    for bad in (0, -5, 1.5, True, "77G"):
+        with pytest.raises(sacpass.BackendOptionError, match=r"ModelPlan\(peak_bytes=.*max_memory_allocated"):
+            sacpass.ModelPlan(layers=2, peak_bytes=bad)
+    assert sacpass.ModelPlan(layers=3, peak_bytes=1 << 30).key != sacpass.ModelPlan(layers=3).key
 
 
 def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
@@ -300,3 +307,92 @@ def test_glm_layers_place_their_hidden_states_and_the_shared_top_k_ids_and_match
     inputs = [(s.dtype, s.reason) for r in be.reports for s in r.saved if s.op == "input" and s.reason == "offload"]
     assert ("int32", "offload") in inputs and ("float32", "offload") in inputs, inputs
     assert rt.stats().bundles_alive == 0 and rt.stats().host_bytes_alive == 0
+
+
+BASE = 1 << 30  # the device memory the rest of the step takes (weights, gradients, the backward's own buffers)
+
+
+def _peak_of(plan, per_kept_byte):
+    """A device peak like PyTorch's max_memory_allocated (the highest yet): BASE plus ``per_kept_byte`` times
+    the bytes the finished step kept on the device."""
+    seen = [0]
+
+    def peak(device):
+        pl = rt._PLACEMENTS[plan.key]
+        kept = sum(n for where, n in pl.placed.values() if where == "device")
+        seen[0] = max(seen[0], BASE + per_kept_byte * kept)
+        return seen[0]
+    return peak
+
+
+def test_a_peak_cap_raises_the_device_budget_to_what_the_measured_peak_leaves(monkeypatch):
+    """peak_bytes: the first step keeps gpu_bytes (none), peaks at BASE; the budget rises by the cap's room
+    (two regions), the next steps keep the last two regions and peak at the cap, and the budget holds there."""
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
+    monkeypatch.setattr(rt, "_device_peak", _peak_of(plan, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sacpass.SacpassWarning)
+        grads, st, rows, _ = _run(plan, steps=4)
+    assert [r["device_bytes"] for r in rows] == [0, 0, REGION, REGION]
+    assert st.kept_bytes == 2 * REGION and st.offloaded_bytes == 2 * REGION
+    assert rt.device_budget(plan) == {"gpu_bytes": 0, "device_budget": 2 * REGION, "peak_bytes": BASE + 2 * REGION,
+                                      "peak_read": BASE + 2 * REGION}
+    ref = _eager()
+    for g in grads:
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
+
+
+def test_a_peak_cap_grows_the_budget_no_further_than_every_value():
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 100 * REGION)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rt, "_device_peak", _peak_of(plan, 1))
+        _, st, rows, _ = _run(plan, steps=3)
+    assert [r["device_bytes"] for r in rows] == [REGION] * LAYERS and st.offloaded_bytes == 0
+    assert rt.device_budget(plan)["device_budget"] == LAYERS * REGION
+
+
+def test_a_step_past_the_peak_cap_lowers_the_budget_and_warns_at_gpu_bytes(monkeypatch):
+    """Kept values that cost twice their bytes at the peak: the second step passes the cap, the budget goes back
+    by the excess (to gpu_bytes), and the peak, the highest yet, moving no more, it stays there. A step past the
+    cap with the budget already at gpu_bytes warns, naming the fix."""
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
+    monkeypatch.setattr(rt, "_device_peak", _peak_of(plan, 2))
+    _, _, rows, _ = _run(plan, steps=4)
+    assert [r["device_bytes"] for r in rows] == [0] * LAYERS
+    assert rt.device_budget(plan)["device_budget"] == 0
+    plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
+    monkeypatch.setattr(rt, "_device_peak", lambda device: BASE + 10 * REGION)
+    with pytest.warns(sacpass.SacpassWarning, match=r"peak_bytes=.*peaked at .* gpu_bytes=\d+, the least it keeps"):
+        _, _, rows, _ = _run(plan, steps=3)
+    assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION]
+
+
+def test_a_peak_cap_without_a_device_peak_keeps_gpu_bytes():
+    """On the CPU there is no allocator peak to read: the plan keeps gpu_bytes and says it read none."""
+    plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
+    _, _, rows, _ = _run(plan)
+    assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION]
+    assert rt.device_budget(plan) == {"gpu_bytes": REGION, "device_budget": REGION, "peak_bytes": BASE,
+                                      "peak_read": None}
+    with pytest.raises(sacpass.OffloadError, match="not registered"):
+        rt.device_budget(_plan(3 * REGION, 1 << 20, peak_bytes=BASE))
+
+
+def test_the_peak_is_read_as_each_backward_ends_so_a_reset_between_steps_does_not_hide_it(monkeypatch):
+    """A training loop that resets the peak statistics between steps: read at the next step's start, the peak
+    would be the reset's (BASE) and the budget would grow past the cap; read as the backward ends, it is the
+    step's own."""
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
+    highest = [BASE]
+    monkeypatch.setattr(rt, "_device_peak", lambda device: highest[0])
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
+        for _ in range(4):
+            rt.reset_stats()
+            model.zero_grad(set_to_none=True)
+            loss = model(_x().requires_grad_(True)).square().sum()
+            highest[0] = max(highest[0], BASE + rt.stats().kept_bytes)  # what the forward kept raised the peak
+            loss.backward()
+            highest[0] = BASE  # torch.cuda.reset_peak_memory_stats(): the peak is what is allocated now
+    assert [r["device_bytes"] for r in rt.placements(plan)] == [0, 0, REGION, REGION]
+    assert rt.device_budget(plan)["device_budget"] == 2 * REGION
