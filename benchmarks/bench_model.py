@@ -18,7 +18,8 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 ``pytorch_budget``: PyTorch's own solver alone (no checkpoint, Inductor under
 ``torch._functorch.config.activation_memory_budget=--budget``), and ``model_plan``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib, peak_bytes=--peak-gib)``:
-one plan for all layers, placed per layer at run time); ``model_plan_fp8`` is the same with ``compress="fp8"`` (lossy: the values
+one plan for all layers, placed per layer at run time; ``--peak-gib control`` caps the peak at control's, measured
+first in the same command); ``model_plan_fp8`` is the same with ``compress="fp8"`` (lossy: the values
 sent to the host go FP8-packed; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
@@ -58,7 +59,20 @@ GIB = 2 ** 30
 
 def model_plan(args, gpu_gib: float, compress: str | None = None) -> sacpass.ModelPlan:
     return sacpass.ModelPlan(layers=args.layers, gpu_bytes=int(gpu_gib * GIB), host_bytes=int(args.step_host_gib * GIB),
-                             compress=compress, peak_bytes=None if args.peak_gib is None else int(args.peak_gib * GIB))
+                             compress=compress, peak_bytes=peak_bytes(args))
+
+
+def peak_bytes(args) -> int | None:
+    """--peak-gib: None, GiB, or ``control``: the peak allocated memory of the control measured before (in this
+    command, or in the --append file)."""
+    if args.peak_gib is None:
+        return None
+    if args.peak_gib == "control":
+        if getattr(args, "control_peak_gib", None) is None:
+            raise SystemExit("--peak-gib control: measure control first, on the GPU (list it before the model plan "
+                             "in --variants, or --append to a file that has it)")
+        return int(args.control_peak_gib * GIB)
+    return int(float(args.peak_gib) * GIB)
 
 
 def backends(args) -> dict:
@@ -301,6 +315,8 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         first = step(model, ids)
     sync()
     first_s = time.perf_counter() - t0
+    if device.type == "cuda":  # the compiling step's peak is not the steps' (a ModelPlan(peak_bytes=) reads it)
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step(model, ids)
     sync()
@@ -372,9 +388,10 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
-    p.add_argument("--peak-gib", type=float, default=None,
-                   help="model_plan: the device peak the step may reach (ModelPlan(peak_bytes=)); the plan keeps more "
-                        "on the device, step by step, while the measured peak stays within it")
+    p.add_argument("--peak-gib", default=None,
+                   help="model_plan: the device peak the step may reach (ModelPlan(peak_bytes=)), in GiB or 'control' "
+                        "(control's peak allocated, measured before it); the plan keeps more on the device, step by "
+                        "step, while the measured peak stays within it")
     p.add_argument("--profile", action="store_true", help="profile one more step per variant (CUDA timeline)")
     p.add_argument("--memory", action="store_true",
                    help="one more step per variant: peak allocated and reserved memory by phase (each layer's forward and "
@@ -403,6 +420,9 @@ def main(argv=None) -> dict:
         if result.get("torch") != torch.__version__:
             raise SystemExit(f"--append: {args.out} was measured with torch {result.get('torch')}, this is "
                              f"{torch.__version__}; measure into a new file")
+    if args.peak_gib not in (None, "control"):
+        float(args.peak_gib)  # a number, or refused before anything runs
+    args.control_peak_gib = result["variants"].get("control", {}).get("peak_allocated_gib")
     for name in args.variants.split(","):
         variant, _, prefetch = split_variant(name)
         default_prefetch = offload_runtime.prefetch_limit()
@@ -417,6 +437,8 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
         finally:
             offload_runtime.set_prefetch_limit(default_prefetch)
+        if name == "control":
+            args.control_peak_gib = result["variants"][name].get("peak_allocated_gib")
         shown = {k: v for k, v in result["variants"][name].items()
                  if k not in ("step_ms", "decisions", "recomputed_per_graph")}
         print(name, json.dumps(shown), flush=True)

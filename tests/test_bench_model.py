@@ -47,3 +47,19 @@ def test_segment_growth_replays_the_trace_from_the_snapshot_before():
     # the awaited block came free, joining its neighbours (3 GiB at 4 GiB + 1 GiB before it): 5 GiB contiguous
     assert (second["reserved_gib"], second["allocated_gib"], second["awaiting_free_gib"]) == (12, 7, 0)
     assert second["largest_free_gib"] == 5 and second["where"] == "?"
+
+
+def test_peak_gib_takes_gib_or_control_s_measured_peak():
+    import argparse
+
+    import pytest
+
+    args = argparse.Namespace(peak_gib=None)
+    assert bench_model.peak_bytes(args) is None
+    args.peak_gib = "2.5"
+    assert bench_model.peak_bytes(args) == int(2.5 * G)
+    args.peak_gib = "control"
+    with pytest.raises(SystemExit, match="measure control first"):
+        bench_model.peak_bytes(args)
+    args.control_peak_gib = 77.41
+    assert bench_model.peak_bytes(args) == int(77.41 * G)
