@@ -20,7 +20,7 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib, peak_bytes=--peak-gib)``:
 one plan for all layers, placed per layer at run time; ``--peak-gib control`` caps the peak at control's, measured
 first in the same command); ``model_plan_fp8`` is the same with ``compress="fp8"`` (lossy: the values
-sent to the host go FP8-packed; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
+sent to the host go FP8-packed, but for those ``--exact`` names; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
 profiled step per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline;
@@ -59,7 +59,8 @@ GIB = 2 ** 30
 
 def model_plan(args, gpu_gib: float, compress: str | None = None) -> sacpass.ModelPlan:
     return sacpass.ModelPlan(layers=args.layers, gpu_bytes=int(gpu_gib * GIB), host_bytes=int(args.step_host_gib * GIB),
-                             compress=compress, peak_bytes=peak_bytes(args))
+                             compress=compress, peak_bytes=peak_bytes(args),
+                             exact=tuple(args.exact.split(",")) if compress and args.exact else ())
 
 
 def peak_bytes(args) -> int | None:
@@ -388,6 +389,9 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
+    p.add_argument("--exact", default="",
+                   help="model_plan_fp8: comma-separated op selectors of values sent to the host unpacked "
+                        "(ModelPlan(exact=), e.g. glm52::sparse_mla)")
     p.add_argument("--peak-gib", default=None,
                    help="model_plan: the device peak the step may reach (ModelPlan(peak_bytes=)), in GiB or 'control' "
                         "(control's peak allocated, measured before it); the plan keeps more on the device, step by "

@@ -31,7 +31,7 @@ from .partitioner.context import CompileContext, GraphIds, PartitionConfig, Part
 from .plan import Plan, as_plan, check_memory_budget
 from .policies import Policy, note_registry_used
 from .report import Report
-from .selector_check import SelectorCheck, unmatched
+from .selector_check import SelectorCheck, plan_exact, unmatched
 
 __all__ = ["Backend", "backend", "named_backend", "sacpass_backend"]
 
@@ -160,7 +160,7 @@ class Backend:
             note_registry_used()
         for result in ctx.results:
             self._publish(result, key)
-        if self.policy.explicit and not self._selector_check.done:
+        if (self.policy.explicit or plan_exact(self.config.plan)) and not self._selector_check.done:
             compiled = self._selector_check.wrap(compiled)
         self._account_unpartitioned(ctx, example_inputs, key, hit=report_store.cache_hits() > hits)
         return compiled
@@ -221,7 +221,7 @@ class Backend:
     # ------------------------------------------------------------------ summaries
     def unmatched(self) -> list[str]:
         """Explicit selectors that have matched in no graph this backend partitioned so far."""
-        return unmatched(self.reports, self.policy)
+        return unmatched(self.reports, self.policy, plan_exact(self.config.plan))
 
     def print_reports(self, file=None) -> None:
         for r in self.reports:

@@ -959,10 +959,11 @@ def _drain_handles() -> None:
 
 
 @torch.library.custom_op("sacpass::stash", mutates_args=())
-def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
+def stash(x: Tensor, index: int, plan: str, after: list[Tensor], pack: bool = True) -> Tensor:
     """Keep ``x`` for the backward where ``plan`` places it (device or host pool); returns its handle. ``after``
     (the forward's other outputs, unread) orders it after all of the forward's work: a compiler sees a tiny
-    output and would otherwise move it up to ``x``'s producer, then reuse ``x``'s memory that it keeps."""
+    output and would otherwise move it up to ``x``'s producer, then reuse ``x``'s memory that it keeps.
+    ``pack=False``: never FP8-packed, though the plan compresses (ModelPlan(exact=))."""
     with _lock:
         _drain_handles()
         placement = _PLACEMENTS.get(plan)
@@ -973,7 +974,7 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
         placement.device = _device_key(x.device)
         position, mark = _region(x.device, index, placement)
         nbytes = _host_layout(x)[2]
-        packed = x.numel() if packs(x.dtype, placement.compress) else None
+        packed = x.numel() if pack and packs(x.dtype, placement.compress) else None
         where = placement.place(position, index, nbytes, packed)
         key = next(_HANDLE_IDS)
         if where == "device":
@@ -993,7 +994,7 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor]) -> Tensor:
 
 
 @stash.register_fake
-def _(x, index, plan, after):
+def _(x, index, plan, after, pack=True):
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 

@@ -138,6 +138,12 @@ class ModelPlan:
                equal to, the forward's; the planner counts the packed bytes against ``host_bytes`` and the copy
                window, so about twice as much fits. Values kept on the device, and integer and bool values
                (indices, masks: discrete decisions), are never packed.
+    exact:     with ``compress``: selectors (op names, ``"module::op"`` strings, OpOverloads, as the policy's) of
+               values sent to the host as they are, bit for bit, while the rest go packed; e.g.
+               ``exact="glm52::sparse_mla"`` keeps the attention output exact, whose backward takes row sums of
+               it times its gradient (a difference of near-equal terms that packing disturbs most). The planner
+               counts their full bytes. A selector that names no value the plan considers is reported like an
+               unmatched policy selector.
     peak_bytes: None (default): the step keeps ``gpu_bytes`` on the device. An int: the device memory the step
                may peak at (``torch.cuda.max_memory_allocated``; e.g. full recompute's peak, measured, or the
                GPU's memory less a margin). After each step the run time reads that peak and raises the device
@@ -163,8 +169,10 @@ class ModelPlan:
     cost: CostModel = field(default_factory=CostModel)
     compress: str | None = None
     peak_bytes: int | None = None
+    exact: tuple = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "exact", _exact_selectors(self.exact, self.compress))
         if self.peak_bytes is not None and (isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, int)
                                             or self.peak_bytes <= 0):
             raise BackendOptionError(f"sacpass: ModelPlan(peak_bytes={self.peak_bytes!r}) must be None (keep gpu_bytes "
@@ -206,6 +214,30 @@ class ModelPlan:
         return Plan(gpu_bytes=0, host_bytes=max(0, self.region_share() - placed_inputs), layers=self.layers,
                     hide=self.hide,
                     min_offload_bytes=self.min_offload_bytes, cost=self.cost)
+
+
+def _exact_selectors(exact, compress) -> tuple:
+    """ModelPlan(exact=): op and module-op selectors only (they print and hash as they read), with compress."""
+    from .selectors import ModuleOpSelector, OpSelector, as_selectors
+
+    if exact is None or exact == ():
+        return ()
+    spelled = (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, OpSelector, ModuleOpSelector)
+    items = [exact] if isinstance(exact, spelled) or not isinstance(exact, (list, tuple)) else list(exact)
+    for item in items:
+        if not isinstance(item, spelled):
+            raise BackendOptionError(f"sacpass: ModelPlan(exact=...): {item!r} is not an op name, 'module::op' string, "
+                                     f"OpOverload or op selector; pass those (e.g. exact='glm52::sparse_mla').")
+    sels = as_selectors(items)
+    bad = [s for s in sels if not isinstance(s, (OpSelector, ModuleOpSelector))]
+    if bad:
+        raise BackendOptionError(f"sacpass: ModelPlan(exact=...): {bad[0]} is not an op or module-op selector; pass op "
+                                 f"names or 'module::op' strings (e.g. exact='glm52::sparse_mla').")
+    if compress is None:
+        raise BackendOptionError(f"sacpass: ModelPlan(exact={', '.join(map(str, sels))}) names values kept bit for bit "
+                                 f"where compress='fp8' packs the others; without compress every value goes to the "
+                                 f"host exact. Pass compress='fp8', or drop exact=.")
+    return sels
 
 
 def as_plan(plan) -> Plan | ModelPlan | None:

@@ -66,6 +66,7 @@ class Decision:
     copy_ms: float  # estimated time to move it to the host and back, each way
     why: str  # one line: the rule that decided
     form: tuple[str, ...] = ()  # kept in its place: the nodes of its smaller exact form (empty: the node itself)
+    exact: str = ""  # the ModelPlan(exact=) selector that names it (sent to the host unpacked), if one does
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,20 @@ from .selectors import nearest_first, selector_parts
 __all__ = ["SelectorCheck", "unmatched"]
 
 
-def unmatched(reports: Sequence[Report], policy: Policy) -> list[str]:
-    """The explicit selectors of ``policy`` that matched in none of ``reports``."""
+def unmatched(reports: Sequence[Report], policy: Policy, exact: Sequence = ()) -> list[str]:
+    """The explicit selectors of ``policy`` that matched in none of ``reports``, and the ModelPlan(exact=)
+    selectors ``exact`` that named none of their planner's values."""
     matched = {t["selector"] for r in reports for t in r.tagged}
-    return [str(s) for s in policy.explicit if str(s) not in matched]
+    named = {d.exact for r in reports for d in r.decisions}
+    return [str(s) for s in policy.explicit if str(s) not in matched] + [str(s) for s in exact if str(s) not in named]
 
 
-def _present(results: Sequence[PartitionResult], policy: Policy, missing: list[str]) -> str:
+def plan_exact(plan) -> tuple:
+    """A ModelPlan's exact= selectors (none for other plans)."""
+    return tuple(getattr(plan, "exact", ()) or ())
+
+
+def _present(results: Sequence[PartitionResult], policy: Policy, missing: list[str], backend_plan=None) -> str:
     """What the partitioned forward graphs hold, nearest to the unmatched selectors first."""
     modules, ops = set(), set()
     for result in results:
@@ -39,7 +46,7 @@ def _present(results: Sequence[PartitionResult], policy: Policy, missing: list[s
             if op is not None:
                 ops.add(op._schema.name)
                 modules.update(f"{path} ({cls})" if path else cls for path, cls in module_stack(node))
-    parts = [selector_parts(s) for s in policy.explicit if str(s) in missing]
+    parts = [selector_parts(s) for s in policy.explicit + plan_exact(backend_plan) if str(s) in missing]
     pattern = " ".join(m for m, _ in parts if m)
     text = f" Ops present, nearest first: {', '.join(nearest_first(parts[0][1], ops)) or 'none'}." if parts else ""
     if pattern:
@@ -75,16 +82,20 @@ class SelectorCheck:
             return
         self.done = True
         backend = self._backend
-        reports, policy = backend.reports, backend.policy
-        missing = unmatched(reports, policy)
+        reports, policy, plan = backend.reports, backend.policy, backend.config.plan
+        missing = unmatched(reports, policy, plan_exact(plan))
         if not missing:
             return
         regions = [r.graph for r in reports if r.unmatched]
+        exact = [m for m in missing if m in {str(s) for s in plan_exact(plan)}]
         msg = (f"sacpass: selector(s) {', '.join(missing)} matched no forward node in any graph of this compile "
                f"({len(reports)} graph(s); checked in {', '.join(regions) or 'none'}: the graphs holding its "
-               f"module or, for a selector without one, a checkpointed region). Check the op name and module pattern against the graphs (module paths are "
+               f"module or, for a selector without one, a checkpointed region)"
+               + (f"; ModelPlan(exact={', '.join(exact)}) names none of the values its planner weighed (those a "
+                  f"checkpointed region's backward reads: each graph's report.decisions)" if exact else "")
+               + f". Check the op name and module pattern against the graphs (module paths are "
                f"relative to the module given to torch.compile; dump_dir= writes the graphs)."
-               f"{_present(backend.results, policy, missing)}{hint()}")
+               f"{_present(backend.results, policy, missing, plan)}{hint()}")
         if backend.strict:
             raise UnmatchedSelectorError(msg + " Pass strict=False to only warn.")
         warn(msg)

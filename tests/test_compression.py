@@ -119,3 +119,57 @@ def test_a_packed_step_the_host_cannot_hold_names_the_device_budget_in_unpacked_
         placement.solve(sizes, host_sizes)
     assert rt._Placement(layers=2, gpu_bytes=4096, host_bytes=2176, compress=True).solve(sizes, host_sizes) == \
         {(1, 0): "device", (0, 0): "host"}
+
+
+def test_exact_values_go_to_the_host_unpacked_and_the_planner_counts_their_bytes():
+    """exact="aten::bmm": the region's two bmm outputs (3072 and 384 bytes) go as they are, the rest packed; the
+    decisions say which and why, the host holds and the copies move exactly that."""
+    packed_others = sum(packed_bytes(d.bytes // 4) for d in _run(_plan(0, 1 << 20), steps=1)[3].reports[0].decisions
+                        if d.action == "offload" and not d.op.startswith("aten::bmm"))
+    _, st, rows, be = _run(_plan(0, 1 << 20, compress="fp8", exact="aten::bmm"))
+    by_op = {d.name: d for d in be.reports[0].decisions}
+    exact = [d for d in by_op.values() if d.exact]
+    assert sorted(d.name for d in exact) == ["bmm", "bmm_1"] and {d.exact for d in exact} == {"aten::bmm"}
+    assert all(d.action == "offload" and d.why.endswith("on the host unpacked (exact=aten::bmm)") for d in exact)
+    assert all("FP8-packed" in d.why for d in by_op.values() if not d.exact)
+    assert [r["host_bytes"] for r in rows] == [packed_others + 3072 + 384] * LAYERS
+    assert st.packed_bytes == LAYERS * (REGION - 3072 - 384)
+    assert st.offloaded_bytes == LAYERS * (packed_others + 3072 + 384)
+
+
+def test_exact_for_every_planned_op_sends_nothing_packed_and_the_grads_are_eager_s():
+    """With the inputs kept on the device and every planned op named exact, compress="fp8" packs nothing: the
+    gradients equal eager's (they differ where the values go packed)."""
+    ops = ("aten::bmm", "aten::addmm", "aten::mm")
+    grads, st, _, _ = _run(_plan(0, 1 << 20, compress="fp8", exact=ops, inputs=False))
+    assert st.packed_bytes == 0 and st.offloaded_bytes > 0
+    ref = _eager()
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(grads[-1], ref))
+    grads, st, _, _ = _run(_plan(0, 1 << 20, compress="fp8", exact=ops[:1], inputs=False))
+    assert st.packed_bytes > 0
+    assert any(not torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(grads[-1], ref))
+
+
+def test_an_exact_selector_that_names_no_planned_value_is_reported_like_an_unmatched_selector():
+    from sacpass.testing import no_compile_caches
+    from test_model_plan import _step, _x
+    from toy import CompiledStack
+
+    plan = _plan(0, 1 << 20, compress="fp8", exact=("aten::bmm", "aten::topk"))
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
+        with pytest.raises(sacpass.UnmatchedSelectorError, match=r"aten::topk matched no .*ModelPlan\(exact=aten::topk\) "
+                                                                 r"names none of the values its planner weighed"):
+            _step(model, _x())
+
+
+def test_exact_takes_op_selectors_with_compress_only():
+    with pytest.raises(sacpass.BackendOptionError, match=r"exact=aten::bmm\) names values kept bit for bit.*Pass "
+                                                         r"compress='fp8', or drop exact="):
+        sacpass.ModelPlan(layers=2, exact="aten::bmm")
+    with pytest.raises(sacpass.BackendOptionError, match="not an op name"):
+        sacpass.ModelPlan(layers=2, compress="fp8", exact=lambda node: True)
+    plan = sacpass.ModelPlan(layers=2, compress="fp8", exact=["aten::bmm", torch.ops.aten.mm.default, "attn::aten::bmm"])
+    assert [str(s) for s in plan.exact] == ["aten::bmm", "aten::mm.default", "attn::aten::bmm"]
+    assert plan != sacpass.ModelPlan(layers=2, compress="fp8") and hash(plan) == hash(
+        sacpass.ModelPlan(layers=2, compress="fp8", exact=("aten::bmm", "aten::mm.default", "attn::aten::bmm")))

@@ -26,9 +26,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import offload as _ops  # noqa: F401  (registers torch.ops.sacpass.offload / reload)
 from ..nodes import is_cast_or_view, tensor_nbytes
-from .tag_policy import OFFLOAD_KEY
+from .tag_policy import EXACT_KEY, OFFLOAD_KEY
 
-__all__ = ["offload_pass", "offload_marks", "activation_inputs"]
+__all__ = ["offload_pass", "offload_marks", "exact_marks", "activation_inputs"]
 
 
 def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
@@ -42,6 +42,17 @@ def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
             if parent in marks:
                 marks[node.name] = marks[parent]
     return marks
+
+
+def exact_marks(joint: torch.fx.GraphModule) -> set[str]:
+    """The joint node names of the values a ModelPlan(exact=) sends to the host unpacked, seen through views
+    and casts."""
+    names: set[str] = set()
+    for node in joint.graph.nodes:
+        if EXACT_KEY in node.meta or node.op == "call_function" and is_cast_or_view(node) and node.all_input_nodes \
+                and node.all_input_nodes[0].name in names:
+            names.add(node.name)
+    return names
 
 
 def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: int = 0) -> list[str]:
@@ -70,8 +81,9 @@ def _insert(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, name:
 
 
 def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, marks: dict[str, str],
-                 num_fwd_outputs: int, model_plan: str = "", inputs=()) -> dict[str, str]:
-    """Rewrite ``forward`` and ``backward`` (see the module docstring)."""
+                 num_fwd_outputs: int, model_plan: str = "", inputs=(), exact=frozenset()) -> dict[str, str]:
+    """Rewrite ``forward`` and ``backward`` (see the module docstring). ``exact``: the names of the placed values
+    the runtime must not pack (their stash says ``pack=False``)."""
     inputs = set(inputs) if model_plan else set()
     if not marks and not inputs:
         return {}
@@ -107,8 +119,8 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         placeholder = bw_inputs[node.name]
         val = placeholder.meta["val"]
         if node in placed:
-            host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default,
-                           (node, stashed, model_plan, after), f"{node.name}_stash")
+            args = (node, stashed, model_plan, after) + ((False,) if node.name in exact else ())
+            host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default, args, f"{node.name}_stash")
             placeholder.meta["sacpass_stashed"] = val  # what the handle stands for (the report's row)
             stashed += 1
         else:

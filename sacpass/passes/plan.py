@@ -37,7 +37,7 @@ from ..compression import packed_bytes
 from ..offload import host_limit, host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
-from .tag_policy import OFFLOAD, TagResult
+from .tag_policy import EXACT_KEY, OFFLOAD, TagResult
 
 __all__ = ["plan_pass", "release_regions", "node_seconds", "has_region"]
 
@@ -203,10 +203,12 @@ def _attribute_costs(graph: torch.fx.Graph, backward: set[torch.fx.Node], cands:
             cands[w].seconds += share
 
 
-def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool) -> None:
+def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool, exact: str = "") -> None:
     kept = cand.form if cand.form is not None else [cand.node] + [u for u in unpackers(cand.node)]
     for t in kept:
         tags.add(t, CheckpointPolicy.MUST_SAVE, reason, "plan", offload=offload)
+        if exact:
+            t.meta[EXACT_KEY] = exact
 
 
 def release_regions(graph: torch.fx.Graph) -> int:
@@ -273,6 +275,7 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     graph = gm.graph
     placed_inputs: list[Decision] = []
     compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
+    exact = plan.exact if isinstance(plan, ModelPlan) else ()
     if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
         placed_inputs, on_host = _input_decisions(graph, inputs, plan.cost, compress)
         plan = plan.region_plan(on_host)
@@ -295,7 +298,8 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
         # what the host pool really hands out for it (a block per tensor), and what its copy moves
-        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress)
+        named = next((str(sel) for sel in exact if sel(c.node)), "")  # kept bit for bit: never packed
+        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress and not named)
         copy_ms = 1e3 * cost.copy_seconds(copied)
         if c.nbytes <= gpu_left:
             gpu_left -= c.nbytes
@@ -307,7 +311,9 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             if copied < c.nbytes:
                 why += f"; on the host FP8-packed ({copied} bytes, lossy)"
-            _tag(tags, c, OFFLOAD, offload=True)
+            elif named:
+                why += f"; on the host unpacked (exact={named})"
+            _tag(tags, c, OFFLOAD, offload=True, exact=named)
         else:
             action = "recompute"
             if c.nbytes < plan.min_offload_bytes:
@@ -320,5 +326,5 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             why += f"; its smaller exact form {', '.join(f.name for f in c.form)} is what the backward needs"
         decisions.append(Decision(name=c.node.name, op=op_name(c.node), module=module_path(c.node), bytes=c.nbytes,
                                   action=action, recompute_ms=1e3 * c.seconds, copy_ms=copy_ms, why=why,
-                                  form=tuple(f.name for f in c.form or ())))
+                                  form=tuple(f.name for f in c.form or ()), exact=named))
     return tuple(decisions)

@@ -30,9 +30,10 @@ from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_
 from ..policies import Policy
 from ..selectors import VALUE_INDEX_OPS, DiscreteSelector, ModuleOpSelector
 
-__all__ = ["TagRecord", "TagResult", "tag_policy_pass", "checkable", "has_checkpoint_region", "OFFLOAD_KEY"]
+__all__ = ["TagRecord", "TagResult", "tag_policy_pass", "checkable", "has_checkpoint_region", "OFFLOAD_KEY", "EXACT_KEY"]
 
 OFFLOAD_KEY = "sacpass_offload"  # node.meta key: the offload selector (or plan) that moves this value to host
+EXACT_KEY = "sacpass_exact"  # node.meta key: the ModelPlan(exact=) selector that keeps this value unpacked on the host
 
 # why a node was tagged (TagRecord.reason), also the report's reason for a saved tensor
 MUST_SAVE, DISCRETE, OFFLOAD, RECOMPUTE = "must-save", "discrete", "offload", "recompute"
