@@ -927,6 +927,11 @@ def format_placements(plan=None) -> str:
     for r in placements(plan):
         lines.append(f"{r['region']:>6}  {r['values']:>6}  {r['device_bytes'] / gib:>10.3f}  {r['host_bytes'] / gib:>8.3f}"
                      f"  {r['copy_ms_expected']:>28.2f}  {r['reloads_waited']:>25}")
+    if plan is not None and getattr(plan, "peak_bytes", None) is not None and plan.key in _PLACEMENTS:
+        b = device_budget(plan)
+        read = "none read yet" if b["peak_read"] is None else f"{b['peak_read'] / gib:.3f} GiB read"
+        lines.append(f"device budget {b['device_budget'] / gib:.3f} GiB for the next step (from gpu_bytes "
+                     f"{b['gpu_bytes'] / gib:.3f}; peak {read}, cap {b['peak_bytes'] / gib:.3f})")
     return "\n".join(lines)
 
 

@@ -337,6 +337,9 @@ def test_a_peak_cap_raises_the_device_budget_to_what_the_measured_peak_leaves(mo
     assert st.kept_bytes == 2 * REGION and st.offloaded_bytes == 2 * REGION
     assert rt.device_budget(plan) == {"gpu_bytes": 0, "device_budget": 2 * REGION, "peak_bytes": BASE + 2 * REGION,
                                       "peak_read": BASE + 2 * REGION}
+    last = rt.format_placements(plan).splitlines()[-1]
+    assert last.startswith(f"device budget {2 * REGION / 2**30:.3f} GiB for the next step (from gpu_bytes 0.000; "
+                           f"peak {(BASE + 2 * REGION) / 2**30:.3f} GiB read"), last
     ref = _eager()
     for g in grads:
         assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
