@@ -307,6 +307,17 @@ def r_model(e, plots):
                       + [f(p["kernel_busy_ms"] / 1e3), f"{f(p['copy_ms']['HtoD'] / 1e3)} / {f(p['copy_ms']['DtoH'] / 1e3)}",
                          f"{f(p['copy_not_hidden_ms']['HtoD'] / 1e3)} / {f(p['copy_not_hidden_ms']['DtoH'] / 1e3)}"]
                       for v, p in profiled.items()])
+    timed = {v: m["placements"] for v, m in vs.items()
+             if m.get("placements") and "d2h_ms_measured" in m["placements"][0]}
+    for v, regions in timed.items():
+        out += [f"`{v}`, where its last timed step put each region's values: GiB on the device and the host, the "
+                "copy time the plan's cost model expected each way beside the copies' own, measured on their "
+                "streams (ms), and the reloads its backward waited for.", ""]
+        out += table(["region", "device GiB", "host GiB", "copy ms expected", "D2H ms measured", "H2D ms measured",
+                      "reloads waited"],
+                     [[r["region"], f(r["device_bytes"] / 2 ** 30), f(r["host_bytes"] / 2 ** 30),
+                       f(r["copy_ms_expected"], ".1f"), f(r["d2h_ms_measured"], ".1f"), f(r["h2d_ms_measured"], ".1f"),
+                       r["reloads_waited"]] for r in regions])
     phased = {v: m["memory_phases"] for v, m in vs.items() if m.get("memory_phases")}
     if phased:
         names = list(phased)

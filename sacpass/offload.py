@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field, fields
@@ -416,6 +417,7 @@ class _Entry:
     reload: Tensor | None = None  # the device copy, once issued and until read
     h2d: "torch.cuda.Event | None" = None
     read: bool = False  # a backward has read it
+    timing: "dict[str, list] | None" = None  # a model plan's region: its copies' times, each way
 
     def drop(self, read: bool = False) -> None:
         """Forget its device copy: handed to the backward (``read``), whose compute stream waits for the copy
@@ -457,18 +459,47 @@ def _stream(kind: str, device: torch.device) -> "torch.cuda.Stream":
     return _STREAMS[key]
 
 
-def _side_copy(kind: str, device: torch.device, dst: Tensor, src: Tensor, after=None) -> "torch.cuda.Event":
+def _side_copy(kind: str, device: torch.device, dst: Tensor, src: Tensor, after=None,
+               timing: "dict[str, list] | None" = None) -> "torch.cuda.Event":
     """``dst.copy_(src)`` on ``device``'s ``kind`` stream, ordered after the compute stream's work so far (the
-    source's producer, the destination's allocation) and after the event ``after``; returns its completion."""
+    source's producer, the destination's allocation) and after the event ``after``; returns its completion.
+    ``timing``: the copy's (start, end) timing events go to ``timing[kind]``."""
     stream = _stream(kind, device)
     stream.wait_stream(torch.cuda.current_stream(device))
     if after is not None:
         stream.wait_event(after)
     with torch.cuda.stream(stream):
+        start = None
+        if timing is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
         dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=timing is not None)
         done.record(stream)
+    if timing is not None:
+        timing[kind].append((start, done))
     return done
+
+
+def _timed_copy(kind: str, dst: Tensor, src: Tensor, timing: "dict[str, list] | None") -> None:
+    """A synchronous copy (a CPU tensor's), its seconds to ``timing[kind]``."""
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    if timing is not None:
+        timing[kind].append(time.perf_counter() - t0)
+
+
+def _copy_ms(times: list) -> float | None:
+    """The milliseconds of timed copies: CPU seconds, or CUDA (start, end) events; None while one is running."""
+    total = 0.0
+    for t in times:
+        if isinstance(t, float):
+            total += 1e3 * t
+        elif not t[1].query():
+            return None
+        else:
+            total += t[0].elapsed_time(t[1])
+    return total
 
 
 def _drain() -> None:
@@ -511,10 +542,10 @@ def _issue_reload(entry: _Entry, device: torch.device) -> None:
     src = _block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
     dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
     if device.type == "cuda":
-        entry.h2d = _side_copy("h2d", device, dev, src, after=entry.d2h)
+        entry.h2d = _side_copy("h2d", device, dev, src, after=entry.d2h, timing=entry.timing)
         entry.block.events["h2d"] = entry.h2d
     else:
-        dev.copy_(src)
+        _timed_copy("h2d", dev, src, entry.timing)
     entry.reload = dev
     _IN_FLIGHT[entry.bundle.device] += entry.nbytes
     _STATS.reloaded_bytes += entry.nbytes
@@ -592,6 +623,12 @@ def _read(entry: _Entry, device: torch.device) -> tuple[Tensor, "torch.cuda.Even
 def offload(x: Tensor, index: int, after: list[Tensor]) -> Tensor:
     """Copy ``x`` to sacpass's host pool without making the compute stream wait; see the module docstring.
     ``after`` is not read: it orders the op after the forward's other outputs."""
+    return _to_host(x, index)
+
+
+def _to_host(x: Tensor, index: int, timing: "dict[str, list] | None" = None) -> Tensor:
+    """offload's work; ``timing``: where the copies of the host tensor, each way, are timed (a model plan's
+    region)."""
     shape, stride, nbytes = _host_layout(x)
     if nbytes == 0:
         return torch.empty_strided(shape, stride, dtype=x.dtype, device="cpu")
@@ -602,19 +639,20 @@ def offload(x: Tensor, index: int, after: list[Tensor]) -> Tensor:
         block = pool.allocate(nbytes)
         bundle = _open_bundle(x.device, index)
         host = _block_tensor(block, shape, stride, x.dtype, on_free=lambda key=block.ptr: _FREED.append(key))
-        entry = _Entry(bundle, pool, block, nbytes, shape, stride, x.dtype, None, position=len(bundle.keys))
+        entry = _Entry(bundle, pool, block, nbytes, shape, stride, x.dtype, None, position=len(bundle.keys),
+                       timing=timing)
         _ENTRIES[block.ptr] = entry
         bundle.keys.append(block.ptr)
         _STATS.host_bytes_alive += block.size
         _STATS.peak_host_bytes = max(_STATS.peak_host_bytes, _STATS.host_bytes_alive)
         _STATS.offloaded_bytes += nbytes
         if on_cuda:
-            entry.d2h = _side_copy("d2h", x.device, host, x)
+            entry.d2h = _side_copy("d2h", x.device, host, x, timing=timing)
             block.events["d2h"] = entry.d2h
             # x's memory is handed out again only after the copy: free as soon as the forward drops x
             x.record_stream(_stream("d2h", x.device))
     if not on_cuda:
-        host.copy_(x)
+        _timed_copy("d2h", host, x, timing)
     return host
 
 
@@ -728,6 +766,8 @@ class _Placement:
     copy_bytes_per_s: float = 0.0  # the plan's cost model: a region's expected copy time, beside the measured
     waited: dict[int, int] = field(default_factory=dict)  # this step: region -> reloads not prefetched
     last_waited: dict[int, int] = field(default_factory=dict)  # the step before
+    copies: dict[int, dict[str, list]] = field(default_factory=dict)  # this step: region -> its copies' times
+    last_copies: dict[int, dict[str, list]] = field(default_factory=dict)  # the step before
     peak_bytes: int | None = None  # ModelPlan(peak_bytes=): the device budget follows the measured peak
     device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
     device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
@@ -746,8 +786,13 @@ class _Placement:
             self.table = self.solve(self.recording, self.host_sizes)
             self.last = dict(self.placed)
             self.last_waited = dict(self.waited)
+            self.last_copies = self.copies
         self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
-        self.host_used, self.device_used, self.waited = 0, 0, {}
+        self.host_used, self.device_used, self.waited, self.copies = 0, 0, {}, {}
+
+    def timing(self, position: int) -> dict[str, list]:
+        """Where region ``position``'s copies of this step are timed, each way."""
+        return self.copies.setdefault(position, {"d2h": [], "h2d": []})
 
     def read_peak_after_backward(self) -> None:
         """With peak_bytes, inside a backward: read the device's peak when it ends (an autograd final callback),
@@ -881,8 +926,10 @@ def register_placement(plan) -> str:
 def placements(plan=None) -> list[dict]:
     """Where the last complete step put each planned value: one row per region, in step order, with the bytes
     kept on the device and sent to the host, the expected copy time of those host bytes each way (the plan's
-    cost model), and, measured, how many of the region's reloads had no prefetch to hide behind (its backward
-    waited for them) (the plan's, or every registered plan's)."""
+    cost model) beside the measured one (``d2h_ms_measured``, ``h2d_ms_measured``: the copies' own time, from
+    CUDA timing events on their streams, or the host clock for a CPU tensor's; None while one is still
+    running), and how many of the region's reloads had no prefetch to hide behind (its backward waited for
+    them) (the plan's, or every registered plan's)."""
     with _lock:
         chosen = [_PLACEMENTS[plan.key]] if plan is not None and plan.key in _PLACEMENTS else \
             list(_PLACEMENTS.values())
@@ -891,7 +938,8 @@ def placements(plan=None) -> list[dict]:
             complete = bool(pl.last)
             for (pos, _), (where, nbytes) in sorted((pl.last or pl.placed).items()):
                 row = rows.setdefault(pos, {"region": pos, "device_bytes": 0, "host_bytes": 0, "values": 0,
-                                            "copy_ms_expected": 0.0, "reloads_waited": 0})
+                                            "copy_ms_expected": 0.0, "d2h_ms_measured": 0.0,
+                                            "h2d_ms_measured": 0.0, "reloads_waited": 0})
                 row[f"{where}_bytes"] += nbytes
                 row["values"] += 1
                 if where == "host" and pl.copy_bytes_per_s:
@@ -899,6 +947,12 @@ def placements(plan=None) -> list[dict]:
             for pos, n in (pl.last_waited if complete else pl.waited).items():
                 if pos in rows:
                     rows[pos]["reloads_waited"] += n
+            for pos, times in (pl.last_copies if complete else pl.copies).items():
+                for way in ("d2h", "h2d"):
+                    ms = _copy_ms(times[way])
+                    if pos in rows:
+                        got = rows[pos][f"{way}_ms_measured"]
+                        rows[pos][f"{way}_ms_measured"] = None if ms is None or got is None else got + ms
         return [rows[p] for p in sorted(rows)]
 
 
@@ -923,10 +977,13 @@ def _device_peak(device: tuple[str, int]) -> int | None:
 
 def format_placements(plan=None) -> str:
     gib = 2 ** 30
-    lines = ["region  values  device GiB  host GiB  copy ms (expected, each way)  reloads waited (measured)"]
+    lines = ["region  values  device GiB  host GiB  copy ms (expected, each way)  measured D2H / H2D  "
+             "reloads waited (measured)"]
+    shown = lambda ms: "-" if ms is None else f"{ms:.2f}"  # noqa: E731
     for r in placements(plan):
+        measured = f"{shown(r['d2h_ms_measured'])} / {shown(r['h2d_ms_measured'])}"
         lines.append(f"{r['region']:>6}  {r['values']:>6}  {r['device_bytes'] / gib:>10.3f}  {r['host_bytes'] / gib:>8.3f}"
-                     f"  {r['copy_ms_expected']:>28.2f}  {r['reloads_waited']:>25}")
+                     f"  {r['copy_ms_expected']:>28.2f}  {measured:>18}  {r['reloads_waited']:>25}")
     if plan is not None and getattr(plan, "peak_bytes", None) is not None and plan.key in _PLACEMENTS:
         b = device_budget(plan)
         read = "none read yet" if b["peak_read"] is None else f"{b['peak_read'] / gib:.3f} GiB read"
@@ -989,9 +1046,10 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor], pack: bool = Tr
             return _handle(key)
         first, mark.bundled = not mark.bundled, True
         sent, scales = (x, None) if packed is None else compression.pack(x)  # packed on the compute stream
-        host = offload(sent, 0 if first else 1, [])  # index 0: the region's first host value opens its bundle
+        timing = placement.timing(position)
+        host = _to_host(sent, 0 if first else 1, timing)  # index 0: the region's first host value opens its bundle
         if scales is not None:
-            scales = offload(scales, 1, [])
+            scales = _to_host(scales, 1, timing)
             _STATS.packed_bytes += nbytes
         _STASHED[key] = _Stashed(host, mark, on_host=True, placement=placement, position=position, source=weakref.ref(x),
                                  version=x._version, scales=scales)

@@ -399,3 +399,35 @@ def test_the_peak_is_read_as_each_backward_ends_so_a_reset_between_steps_does_no
             highest[0] = BASE  # torch.cuda.reset_peak_memory_stats(): the peak is what is allocated now
     assert [r["device_bytes"] for r in rt.placements(plan)] == [0, 0, REGION, REGION]
     assert rt.device_budget(plan)["device_budget"] == 2 * REGION
+
+
+def test_each_region_s_copies_are_measured_beside_the_expected_time():
+    """placements(): per region, the copies' own time each way (the host clock for CPU tensors, CUDA timing
+    events on a GPU) beside the cost model's expectation; one timed copy per value sent each way, none for a
+    region kept on the device."""
+    plan = _plan(REGION, 1 << 20)
+    _, _, rows, _ = _run(plan)
+    host_rows, kept = rows[:-1], rows[-1]
+    assert all(r["d2h_ms_measured"] > 0 and r["h2d_ms_measured"] > 0 and r["copy_ms_expected"] > 0 for r in host_rows)
+    assert kept["d2h_ms_measured"] == kept["h2d_ms_measured"] == 0.0 and kept["host_bytes"] == 0
+    timed = rt._PLACEMENTS[plan.key].last_copies
+    assert sorted(timed) == [r["region"] for r in host_rows]
+    assert all(len(timed[r["region"]]["d2h"]) == len(timed[r["region"]]["h2d"]) == r["values"] for r in host_rows)
+    assert "measured D2H / H2D" in rt.format_placements(plan).splitlines()[0]
+
+
+def test_copy_time_sums_seconds_and_finished_events_and_waits_for_running_ones():
+    class Event:
+        def __init__(self, done, ms=0.0):
+            self.done, self.ms = done, ms
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return end.ms
+
+    assert rt._copy_ms([0.001, 0.0025]) == pytest.approx(3.5)
+    assert rt._copy_ms([0.001, (Event(True), Event(True, 4.0))]) == pytest.approx(5.0)
+    assert rt._copy_ms([(Event(True), Event(False))]) is None
+    assert rt._copy_ms([]) == 0.0
