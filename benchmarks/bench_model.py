@@ -63,6 +63,10 @@ def model_plan(args, gpu_gib: float, compress: str | None = None) -> sacpass.Mod
                              exact=tuple(args.exact.split(",")) if compress and args.exact else ())
 
 
+def gib_or_control(v: str):
+    return v if v == "control" else float(v)
+
+
 def peak_bytes(args) -> int | None:
     """--peak-gib: None, GiB, or ``control``: the peak allocated memory of the control measured before (in this
     command, or in the --append file)."""
@@ -392,7 +396,7 @@ def main(argv=None) -> dict:
     p.add_argument("--exact", default="",
                    help="model_plan_fp8: comma-separated op selectors of values sent to the host unpacked "
                         "(ModelPlan(exact=), e.g. glm52::sparse_mla)")
-    p.add_argument("--peak-gib", default=None,
+    p.add_argument("--peak-gib", default=None, type=gib_or_control,
                    help="model_plan: the device peak the step may reach (ModelPlan(peak_bytes=)), in GiB or 'control' "
                         "(control's peak allocated, measured before it); the plan keeps more on the device, step by "
                         "step, while the measured peak stays within it")
@@ -424,8 +428,6 @@ def main(argv=None) -> dict:
         if result.get("torch") != torch.__version__:
             raise SystemExit(f"--append: {args.out} was measured with torch {result.get('torch')}, this is "
                              f"{torch.__version__}; measure into a new file")
-    if args.peak_gib not in (None, "control"):
-        float(args.peak_gib)  # a number, or refused before anything runs
     args.control_peak_gib = result["variants"].get("control", {}).get("peak_allocated_gib")
     for name in args.variants.split(","):
         variant, _, prefetch = split_variant(name)

@@ -228,11 +228,7 @@ def _exact_selectors(exact, compress) -> tuple:
         if not isinstance(item, spelled):
             raise BackendOptionError(f"sacpass: ModelPlan(exact=...): {item!r} is not an op name, 'module::op' string, "
                                      f"OpOverload or op selector; pass those (e.g. exact='glm52::sparse_mla').")
-    sels = as_selectors(items)
-    bad = [s for s in sels if not isinstance(s, (OpSelector, ModuleOpSelector))]
-    if bad:
-        raise BackendOptionError(f"sacpass: ModelPlan(exact=...): {bad[0]} is not an op or module-op selector; pass op "
-                                 f"names or 'module::op' strings (e.g. exact='glm52::sparse_mla').")
+    sels = as_selectors(items)  # names and ops read as op or module-op selectors only
     if compress is None:
         raise BackendOptionError(f"sacpass: ModelPlan(exact={', '.join(map(str, sels))}) names values kept bit for bit "
                                  f"where compress='fp8' packs the others; without compress every value goes to the "

@@ -31,12 +31,12 @@ from .tag_policy import EXACT_KEY, OFFLOAD_KEY
 __all__ = ["offload_pass", "offload_marks", "exact_marks", "activation_inputs"]
 
 
-def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
-    """{joint node name: selector} of the values marked for offload, seen through views and casts."""
-    marks: dict[str, str] = {}
+def _through_views(joint: torch.fx.GraphModule, key: str) -> dict[str, object]:
+    """{joint node name: node.meta[key]} of the nodes that carry ``key``, and of the views and casts of them."""
+    marks: dict[str, object] = {}
     for node in joint.graph.nodes:
-        if OFFLOAD_KEY in node.meta:
-            marks[node.name] = node.meta[OFFLOAD_KEY]
+        if key in node.meta:
+            marks[node.name] = node.meta[key]
         elif node.op == "call_function" and is_cast_or_view(node) and node.all_input_nodes:
             parent = node.all_input_nodes[0].name
             if parent in marks:
@@ -44,15 +44,15 @@ def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
     return marks
 
 
+def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
+    """{joint node name: selector} of the values marked for offload, seen through views and casts."""
+    return _through_views(joint, OFFLOAD_KEY)
+
+
 def exact_marks(joint: torch.fx.GraphModule) -> set[str]:
     """The joint node names of the values a ModelPlan(exact=) sends to the host unpacked, seen through views
     and casts."""
-    names: set[str] = set()
-    for node in joint.graph.nodes:
-        if EXACT_KEY in node.meta or node.op == "call_function" and is_cast_or_view(node) and node.all_input_nodes \
-                and node.all_input_nodes[0].name in names:
-            names.add(node.name)
-    return names
+    return set(_through_views(joint, EXACT_KEY))
 
 
 def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: int = 0) -> list[str]:
