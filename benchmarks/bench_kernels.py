@@ -479,6 +479,14 @@ def bench_mla(S, H, idx, reps, with_reference):
     row["fwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
     row["bwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
     row["bwd_kernel"] = "pipelined" if tl.BWD_KERNEL == "pipelined" and tl.padded_heads(H) == 64 else "serial"
+    row["delta_kernel"] = tl.DELTA_KERNEL
+    deltas = {}
+    for kernel in ("pytorch", "tilelang"):  # the backward's delta = rowsum(out * dout), each way (DELTA_KERNEL)
+        with mock.patch.object(tl, "DELTA_KERNEL", kernel):
+            deltas[kernel] = tl._row_dot(out, dout)
+            row[f"delta_{kernel}_ms"] = cuda_time_ms(lambda: tl._row_dot(out, dout), reps=reps)
+    row["delta_tilelang_max_abs_diff"] = float((deltas["tilelang"] - deltas["pytorch"]).abs().max())
+    del deltas
     row["fwd_tflops"] = fwd_flop / row["fwd_ms"] / 1e9
     row["bwd_tflops"] = bwd_flop / row["bwd_ms"] / 1e9
     if with_reference:

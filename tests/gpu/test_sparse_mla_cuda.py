@@ -149,29 +149,48 @@ def test_sparse_mla_bwd_kernel_constant_rejects_unknown_value():
         tl.sparse_mla_bwd_tl(q, kv, out, torch.randn_like(out), idx, lse, 0.05, 512)
 
 
-def test_sparse_mla_bwd_memory_beyond_its_outputs_is_bounded():
-    """The backward's delta = sum(out * dout) in fp32 goes a chunk of rows at a time: at 8K queries x 64 heads,
-    fp32 copies of out and dout and their product would be 3 GiB at once; the chunked form needs at most
-    3 x _ROW_DOT_BYTES beside dq, dkv and the launcher's index copy, and gives the same dq and dkv."""
+@pytest.mark.parametrize("kernel", ["pytorch", "tilelang"])
+@pytest.mark.parametrize("S,H,d_v", [(37, 4, 512), (5, 3, 448), (1, 64, 512), (0, 64, 512)])
+def test_row_dot_vs_float64(S, H, d_v, kernel):
+    """The backward's delta = sum(out * dout) in fp32, by either DELTA_KERNEL: rows not a multiple of the
+    kernel's row block, 64-wide column blocks (448), no rows; a non-contiguous dout."""
+    from unittest import mock
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+    g = torch.Generator(device="cuda").manual_seed(S + H)
+    out = torch.randn(S, H, d_v, device="cuda", generator=g).bfloat16()
+    dout = torch.randn(S, d_v, H, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    with mock.patch.object(tl, "DELTA_KERNEL", kernel):
+        got = tl._row_dot(out, dout)
+    assert got.dtype == torch.float32 and got.shape == (S, H)
+    torch.testing.assert_close(got.double(), (out.double() * dout.double()).sum(-1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", "tilelang"])
+def test_sparse_mla_bwd_memory_beyond_its_outputs_is_bounded(kernel):
+    """The backward's delta = sum(out * dout) in fp32: at 8K queries x 64 heads, fp32 copies of out and dout and
+    their product would be 3 GiB at once. The PyTorch form goes a chunk of rows at a time (at most 3 x
+    _ROW_DOT_BYTES of temporaries), the kernel needs none; beside them the backward holds only dq, dkv (and its
+    fp32 accumulator), delta and the launcher's padded index copy; dq and dkv as with the whole tensors at once."""
+    from unittest import mock
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     S, Sk, topk, H = 8192, 8192, 128, 64
     q, kv, idx = _inputs(S, Sk, H, topk, seed=5)
     scale = 576 ** -0.5
     out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
     dout = torch.randn_like(out)
-    torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)  # kernels built, cache warm
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    dq, dkv = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
+    with mock.patch.object(tl, "DELTA_KERNEL", kernel):
+        torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)  # kernels built, cache warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        dq, dkv = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
     outputs = dq.numel() * dq.element_size() + kv.numel() * 4 + dkv.numel() * dkv.element_size()
-    bound = outputs + 3 * tl._ROW_DOT_BYTES + 2 * idx.numel() * 4 + (64 << 20)
+    temporaries = 3 * tl._ROW_DOT_BYTES if kernel == "pytorch" else 0
+    bound = outputs + S * H * 4 + temporaries + 2 * idx.numel() * 4 + (64 << 20)
     assert extra <= bound, f"backward took {extra / 2**20:.0f} MiB beyond its inputs, bound {bound / 2**20:.0f} MiB"
-    assert torch.equal(tl._row_dot(out, dout), (out.float() * dout.float()).sum(-1))
-    from unittest import mock
-    with mock.patch.object(tl, "_ROW_DOT_BYTES", 1 << 40):  # one chunk: the whole tensors at once
-        dq1, dkv1 = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+    with mock.patch.object(tl, "DELTA_KERNEL", "pytorch"), mock.patch.object(tl, "_ROW_DOT_BYTES", 1 << 40):
+        dq1, dkv1 = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)  # one chunk: all at once
     assert_similar(dq.float(), dq1.float(), min_cos=0.99999, max_rel=1e-3, what="dq vs unchunked")
     assert_similar(dkv.float(), dkv1.float(), min_cos=0.99999, max_rel=1e-3, what="dkv vs unchunked")

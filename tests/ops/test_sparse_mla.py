@@ -72,7 +72,8 @@ def test_opcheck(dtype):
 
 
 def test_cuda_backward_delta_by_chunks_equals_the_whole(monkeypatch):
-    """The CUDA backward's delta = sum(out * dout) in fp32 goes a few rows at a time (bounded temporaries):
+    """The CUDA backward's delta = sum(out * dout) in fp32, in PyTorch (DELTA_KERNEL = "pytorch"), goes a few rows
+    at a time (bounded temporaries):
     chunks that do not divide the rows, one row a chunk, and one chunk for all give the same [S, H]."""
     tl = pytest.importorskip("glm52_model.ops.cuda.sparse_mla_tl", reason="TileLang not installed")
     g = torch.Generator().manual_seed(3)
@@ -83,3 +84,6 @@ def test_cuda_backward_delta_by_chunks_equals_the_whole(monkeypatch):
         got = tl._row_dot(out, dout)
         assert got.dtype == torch.float32 and got.shape == (37, 4)
         assert torch.equal(got, whole), rows
+    monkeypatch.setattr(tl, "DELTA_KERNEL", "fused")
+    with pytest.raises(ValueError, match="DELTA_KERNEL must be 'pytorch' or 'tilelang'"):
+        tl._row_dot(out, dout)

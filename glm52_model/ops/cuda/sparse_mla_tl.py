@@ -10,7 +10,8 @@ kernels, picked by `FWD_KERNEL`: the serial one (all threads gather, then S, sof
 for 64 heads, a warp-specialised one (a producer warpgroup gathers with cp.async into two shared stages
 while two consumer warpgroups split the softmax and P V). Backward: dq per CTA in registers,
 dkv accumulated with fp32 atomics into a [Sk, 576] buffer and cast to bf16 afterwards; delta =
-rowsum(out * dout) is computed with PyTorch before the kernel. Two kernels, picked by `BWD_KERNEL`:
+rowsum(out * dout) in fp32 comes first (`DELTA_KERNEL`: PyTorch ops a chunk of rows at a time, or a small
+kernel that reads each bf16 tensor once). Two kernels, picked by `BWD_KERNEL`:
 the serial one (all threads gather, then the GEMM chain) and, for 64 heads, a warp-specialised one
 (producer warpgroup gathering into two stages; one consumer warpgroup computes S / P while the other
 computes dP, then they split the dKV and dQ GEMMs by latent columns). The measured alternatives are in
@@ -322,6 +323,38 @@ def build_sparse_mla_fwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
                 T.barrier_wait(ready1, (NI // 2 - 1) & 1)
 
     return sparse_mla_fwd_ws
+
+
+def build_row_dot(dim: int, *, block_R: int = 32, block_D: int = 0, threads: int = 128):
+    """The backward's preprocess: Delta[r] = sum_d O[r, d] * dO[r, d] in fp32 for bf16 [rows, dim] O and dO
+    (rows = queries x heads), each read once; a block of `block_R` rows walks the columns `block_D` (default 128,
+    or 64 where 128 does not divide `dim`) at a time."""
+    block_D = block_D or (128 if dim % 128 == 0 else 64)
+    assert dim % block_D == 0
+    rows = T.dynamic("rows")
+    dtype, accum = T.bfloat16, T.float32
+
+    @T.prim_func
+    def row_dot(
+        O: T.Tensor([rows, dim], dtype),
+        dO: T.Tensor([rows, dim], dtype),
+        Delta: T.Tensor([rows], accum),
+    ):
+        with T.Kernel(T.ceildiv(rows, block_R), threads=threads) as bx:
+            o = T.alloc_fragment([block_R, block_D], dtype)
+            do = T.alloc_fragment([block_R, block_D], dtype)
+            acc = T.alloc_fragment([block_R, block_D], accum)
+            d = T.alloc_fragment([block_R], accum)
+            T.clear(acc)
+            for k in T.serial(dim // block_D):
+                T.copy(O[bx * block_R:(bx + 1) * block_R, k * block_D:(k + 1) * block_D], o)
+                T.copy(dO[bx * block_R:(bx + 1) * block_R, k * block_D:(k + 1) * block_D], do)
+                for i, j in T.Parallel(block_R, block_D):
+                    acc[i, j] += T.Cast(accum, o[i, j]) * T.Cast(accum, do[i, j])
+            T.reduce_sum(acc, d, dim=1)
+            T.copy(d, Delta[bx * block_R:(bx + 1) * block_R])
+
+    return row_dot
 
 
 def build_sparse_mla_bwd(heads: int, topk: int, sm_scale: float, *, dim_qk: int = 576,
@@ -692,6 +725,12 @@ compile_sparse_mla_bwd_ws = _compiler(build_sparse_mla_bwd_ws, FWD_PASS_CONFIGS)
 compile_sparse_mla_bwd = _compiler(build_sparse_mla_bwd, BWD_PASS_CONFIGS)
 
 
+@functools.lru_cache(maxsize=None)
+def compile_row_dot(dim: int, target_arch: str = "sm_90a"):
+    return tilelang.compile(build_row_dot(dim), target={"kind": "cuda", "arch": target_arch},
+                            pass_configs=FWD_PASS_CONFIGS)
+
+
 def ci_builds(target_arch: str = "sm_90a") -> dict:
     """name -> thunk building (not running) one kernel of this family for `target_arch` (CI), through the
     same compile functions the launchers call (uncached). One head count (64, GLM-5.2's) per kernel; other
@@ -705,8 +744,10 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
         "sparse_mla_bwd_ws[h64,k2048]": (compile_sparse_mla_bwd_ws, ws),
         "sparse_mla_bwd_ws_chunk128[h64,k2048]": (compile_sparse_mla_bwd_ws, {**ws, "chunk": 128}),  # bench sweep
     }
-    return {name: functools.partial(fn.__wrapped__, 64, 2048, scale, target_arch, **tun)
-            for name, (fn, tun) in builds.items()}
+    thunks = {name: functools.partial(fn.__wrapped__, 64, 2048, scale, target_arch, **tun)
+              for name, (fn, tun) in builds.items()}
+    thunks["row_dot[d512]"] = functools.partial(compile_row_dot.__wrapped__, 512, target_arch)
+    return thunks
 
 
 # --------------------------------------------------------------------------------------------------
@@ -785,14 +826,28 @@ def sparse_mla_tl(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_s
     return out, lse
 
 
-_ROW_DOT_BYTES = 256 << 20  # fp32 temporaries of one chunk of rows
+# delta = rowsum(out * dout) in fp32 before the backward kernel, read at every call like BWD_KERNEL: "pytorch" =
+# fp32 copies and a sum, _ROW_DOT_BYTES of temporaries at a time (three fp32 passes over the tensors), "tilelang"
+# = build_row_dot (one read of each bf16 tensor, no temporaries); both pass the GPU tests'
+# comparison with a float64 sum, and `benchmarks/bench_kernels.py --mla-seq` times them side by side.
+DELTA_KERNEL = "pytorch"
+_ROW_DOT_BYTES = 256 << 20  # fp32 temporaries of one chunk of rows ("pytorch")
 
 
 def _row_dot(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """sum(out * dout, -1) in fp32, [S, H]: a chunk of rows at a time, so the fp32 copies of the two [S, H, d_v]
-    tensors (twice their bf16 bytes each) never exist whole."""
-    S = out.shape[0]
+    """sum(out * dout, -1) in fp32, [S, H], for [S, H, d_v] out and dout, by `DELTA_KERNEL`: the PyTorch form a
+    chunk of rows at a time, so the fp32 copies of the two tensors (twice their bf16 bytes each) never exist
+    whole, or one kernel over the bf16 tensors."""
+    if DELTA_KERNEL not in ("pytorch", "tilelang"):
+        raise ValueError(f"sparse_mla_bwd_tl: DELTA_KERNEL must be 'pytorch' or 'tilelang', got {DELTA_KERNEL!r}")
+    S, d_v = out.shape[0], out.shape[-1]
     delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+    if DELTA_KERNEL == "tilelang":
+        if delta.numel():
+            kernel = compile_row_dot(d_v, cuda_target(out.device)["arch"])
+            kernel(out.to(torch.bfloat16).contiguous().view(-1, d_v),
+                   dout.to(torch.bfloat16).contiguous().view(-1, d_v), delta.view(-1))
+        return delta
     rows = max(1, _ROW_DOT_BYTES // max(1, 4 * out[0].numel()))
     for a in range(0, S, rows):
         b = min(S, a + rows)
