@@ -77,6 +77,7 @@ _HOST_MARGIN = 0.05  # share of physical memory a new slab must leave available 
 
 _HOST_LIMIT = int(0.8 * physical_memory())
 _PREFETCH_LIMIT: int | None = 4 << 30
+_WARNED_LIMITS: set[int] = set()  # prefetch limits a larger reload has been warned of
 
 
 def set_host_limit(nbytes: int) -> None:
@@ -98,7 +99,8 @@ def host_limit() -> int:
 def set_prefetch_limit(nbytes: int | None) -> None:
     """Cap the bytes of reloads issued ahead and not yet read by the backward, per device (default 4 GiB;
     ``None``: no cap, every copy of a layer and of the layer before it issued at the layer's first reload).
-    One copy is always in flight, however large. A lower cap holds fewer reloaded values on the device at once;
+    One copy is always in flight, however large (a reload larger than the cap warns once: it is copied alone, when
+    nothing else is in flight). A lower cap holds fewer reloaded values on the device at once;
     too low a cap issues the next layer's copies late in this layer's backward, where the compute may no longer
     hide them (each copy waits for the compute issued before it)."""
     global _PREFETCH_LIMIT
@@ -144,6 +146,7 @@ class OffloadStats:
     reloaded_bytes: int = 0  # host -> device
     prefetched_bytes: int = 0  # reloads issued ahead, before the backward asked for them
     waited_reloads: int = 0  # reloads whose copy was issued only when the backward asked for it
+    largest_reload_bytes: int = 0  # the largest single copy back (a prefetch limit below it copies it alone)
     dropped_prefetch_bytes: int = 0  # prefetched, but no backward consumed them: freed when that backward ended
     bundles: int = 0  # bundles opened (forward executions that offloaded)
     host_bytes_alive: int = 0  # pool bytes live offloads use now (their blocks)
@@ -502,6 +505,25 @@ def _copy_ms(times: list) -> float | None:
     return total
 
 
+def _clock(device: torch.device):
+    """A point in ``device``'s compute order: a CUDA timing event recorded on its current stream (the work
+    queued so far), or the host clock for the CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
+
+
+def _elapsed_ms(start, end) -> float | None:
+    """Milliseconds between two :func:`_clock` marks; None without an end, or while the end's work runs."""
+    if start is None or end is None:
+        return None
+    if isinstance(start, float):
+        return 1e3 * (end - start)
+    return start.elapsed_time(end) if end.query() else None
+
+
 def _drain() -> None:
     """Settle the host tensors that died since the last call: their entries go, their blocks go back to the
     pool (after their copies). Storage finalizers only queue the address, so a collection that runs inside
@@ -538,7 +560,25 @@ def _host_layout(x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return shape, stride, extent * x.element_size()
 
 
+def _warn_past_prefetch_limit(nbytes: int) -> None:
+    """Once per prefetch limit: a reload larger than the limit is issued only when no other copy is in flight, so
+    it neither overlaps the copies before it nor starts early; where such reloads follow each other the backward
+    waits for them."""
+    limit = _PREFETCH_LIMIT
+    if limit is None or nbytes <= limit or limit in _WARNED_LIMITS:
+        return
+    _WARNED_LIMITS.add(limit)
+    gib = 2 ** 30
+    warnings.warn(
+        f"sacpass: a reload of {nbytes / gib:.2f} GiB is larger than the offload prefetch limit ({limit / gib:.2f} "
+        f"GiB): each such copy is issued only when no other is in flight, late, and the backward may wait for it "
+        f"(sacpass.offload.stats().waited_reloads). Where the device has the room, raise the limit to at least "
+        f"twice the largest reload: sacpass.offload.set_prefetch_limit({2 * nbytes}), or None for no limit.",
+        SacpassWarning, stacklevel=2)
+
+
 def _issue_reload(entry: _Entry, device: torch.device) -> None:
+    _warn_past_prefetch_limit(entry.nbytes)
     src = _block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
     dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
     if device.type == "cuda":
@@ -549,6 +589,7 @@ def _issue_reload(entry: _Entry, device: torch.device) -> None:
     entry.reload = dev
     _IN_FLIGHT[entry.bundle.device] += entry.nbytes
     _STATS.reloaded_bytes += entry.nbytes
+    _STATS.largest_reload_bytes = max(_STATS.largest_reload_bytes, entry.nbytes)
 
 
 def _prefetch(device: torch.device, bundle: "_Bundle | None", before: "_Bundle | None") -> None:
@@ -768,12 +809,16 @@ class _Placement:
     last_waited: dict[int, int] = field(default_factory=dict)  # the step before
     copies: dict[int, dict[str, list]] = field(default_factory=dict)  # this step: region -> its copies' times
     last_copies: dict[int, dict[str, list]] = field(default_factory=dict)  # the step before
+    began: dict[int, object] = field(default_factory=dict)  # this step: region -> when its backward began (_clock)
+    ended: object = None  # when this step's backward ended
+    last_began: dict[int, object] = field(default_factory=dict)  # the step before
+    last_ended: object = None
     peak_bytes: int | None = None  # ModelPlan(peak_bytes=): the device budget follows the measured peak
     device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
     device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
     peak_read: int | None = None  # the device's peak as the last step's backward ended
     step_peak: int | None = None  # this step's: read at the end of each backward that unstashed its values
-    peak_task: int = -1  # the backward whose end reads it
+    task: int = -1  # the backward whose end is awaited (its final callback queued)
     warned: bool = False
 
     def __post_init__(self) -> None:
@@ -787,27 +832,44 @@ class _Placement:
             self.last = dict(self.placed)
             self.last_waited = dict(self.waited)
             self.last_copies = self.copies
+            self.last_began, self.last_ended = self.began, self.ended
         self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
         self.host_used, self.device_used, self.waited, self.copies = 0, 0, {}, {}
+        self.began, self.ended = {}, None
 
     def timing(self, position: int) -> dict[str, list]:
         """Where region ``position``'s copies of this step are timed, each way."""
         return self.copies.setdefault(position, {"d2h": [], "h2d": []})
 
-    def read_peak_after_backward(self) -> None:
-        """With peak_bytes, inside a backward: read the device's peak when it ends (an autograd final callback),
-        so a reset_peak_memory_stats between steps leaves the step's own peak to read."""
+    def note_backward(self, position: int, device: torch.device) -> None:
+        """At each unstash, inside a backward: the first of region ``position`` marks when its backward began; the
+        backward's end (an autograd final callback, queued once per backward) marks when it ended and, with
+        peak_bytes, reads the device's peak then, so a reset_peak_memory_stats between steps leaves the step's
+        own peak to read."""
+        if position not in self.began:
+            self.began[position] = _clock(device)
         task = torch._C._current_graph_task_id()
-        if self.peak_bytes is None or self.device is None or task < 0 or task == self.peak_task:
+        if task < 0 or task == self.task:
             return
-        self.peak_task = task
+        self.task = task
 
-        def read() -> None:
-            peak = _device_peak(self.device)
-            if peak is not None:
-                with _lock:
+        def ended() -> None:
+            mark = _clock(device)
+            peak = _device_peak(self.device) if self.peak_bytes is not None and self.device is not None else None
+            with _lock:
+                self.ended = mark
+                if peak is not None:
                     self.step_peak = max(self.step_peak or 0, peak)
-        torch.autograd.Variable._execution_engine.queue_callback(read)
+        torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    def backward_ms(self, complete: bool) -> dict[int, float | None]:
+        """Each region's backward as it ran (ms): from its first unstash to that of the region whose backward came
+        next (the one before it in the step), the last to the backward's end; None while one is running, or
+        where no end was marked. ``complete``: the step before's, else this one's so far."""
+        began, ended = (self.last_began, self.last_ended) if complete else (self.began, self.ended)
+        order = sorted(began, reverse=True)  # backward order
+        return {p: _elapsed_ms(began[p], began[q] if q is not None else ended)
+                for p, q in zip(order, order[1:] + [None])}
 
     def _follow_peak(self) -> None:
         """With peak_bytes: move the device budget by the step's measured peak (see ModelPlan.peak_bytes)."""
@@ -928,8 +990,11 @@ def placements(plan=None) -> list[dict]:
     kept on the device and sent to the host, the expected copy time of those host bytes each way (the plan's
     cost model) beside the measured one (``d2h_ms_measured``, ``h2d_ms_measured``: the copies' own time, from
     CUDA timing events on their streams, or the host clock for a CPU tensor's; None while one is still
-    running), and how many of the region's reloads had no prefetch to hide behind (its backward waited for
-    them) (the plan's, or every registered plan's)."""
+    running), how many of the region's reloads had no prefetch to hide behind (its backward waited for them),
+    and the region's backward as it ran (``backward_ms_measured``: from its first unstash to the next region's,
+    timing events on the compute stream or the host clock; None where not measured). A region's reloads are
+    issued while the region after it runs its backward: they hide when their H2D time is well under that
+    region's backward_ms_measured (the plan's, or every registered plan's)."""
     with _lock:
         chosen = [_PLACEMENTS[plan.key]] if plan is not None and plan.key in _PLACEMENTS else \
             list(_PLACEMENTS.values())
@@ -939,7 +1004,8 @@ def placements(plan=None) -> list[dict]:
             for (pos, _), (where, nbytes) in sorted((pl.last or pl.placed).items()):
                 row = rows.setdefault(pos, {"region": pos, "device_bytes": 0, "host_bytes": 0, "values": 0,
                                             "copy_ms_expected": 0.0, "d2h_ms_measured": 0.0,
-                                            "h2d_ms_measured": 0.0, "reloads_waited": 0})
+                                            "h2d_ms_measured": 0.0, "reloads_waited": 0,
+                                            "backward_ms_measured": None})
                 row[f"{where}_bytes"] += nbytes
                 row["values"] += 1
                 if where == "host" and pl.copy_bytes_per_s:
@@ -953,6 +1019,9 @@ def placements(plan=None) -> list[dict]:
                     if pos in rows:
                         got = rows[pos][f"{way}_ms_measured"]
                         rows[pos][f"{way}_ms_measured"] = None if ms is None or got is None else got + ms
+            for pos, ms in pl.backward_ms(complete).items():
+                if pos in rows and ms is not None:
+                    rows[pos]["backward_ms_measured"] = ms
         return [rows[p] for p in sorted(rows)]
 
 
@@ -978,12 +1047,13 @@ def _device_peak(device: tuple[str, int]) -> int | None:
 def format_placements(plan=None) -> str:
     gib = 2 ** 30
     lines = ["region  values  device GiB  host GiB  copy ms (expected, each way)  measured D2H / H2D  "
-             "reloads waited (measured)"]
+             "reloads waited (measured)  backward ms (measured)"]
     shown = lambda ms: "-" if ms is None else f"{ms:.2f}"  # noqa: E731
     for r in placements(plan):
         measured = f"{shown(r['d2h_ms_measured'])} / {shown(r['h2d_ms_measured'])}"
         lines.append(f"{r['region']:>6}  {r['values']:>6}  {r['device_bytes'] / gib:>10.3f}  {r['host_bytes'] / gib:>8.3f}"
-                     f"  {r['copy_ms_expected']:>28.2f}  {measured:>18}  {r['reloads_waited']:>25}")
+                     f"  {r['copy_ms_expected']:>28.2f}  {measured:>18}  {r['reloads_waited']:>25}"
+                     f"  {shown(r['backward_ms_measured']):>22}")
     if plan is not None and getattr(plan, "peak_bytes", None) is not None and plan.key in _PLACEMENTS:
         b = device_budget(plan)
         read = "none read yet" if b["peak_read"] is None else f"{b['peak_read'] / gib:.3f} GiB read"
@@ -1074,7 +1144,7 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
         if not item.on_host:  # a value kept on the device: prefetch the region before (its backward is next)
             _prefetch(torch.device(device), None, _deref(item.mark.before))
         item.mark.started = True
-        item.placement.read_peak_after_backward()
+        item.placement.note_backward(item.position, torch.device(device))
         item.check_unchanged()
         if not item.on_host:
             if item.consumed:

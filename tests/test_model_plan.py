@@ -8,6 +8,7 @@ tests/gpu/test_model_offload_cuda.py.
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -106,7 +107,7 @@ def test_a_region_kept_on_the_device_prefetches_the_one_before():
     rate = sacpass.CostModel().copy_bytes_per_s
     assert all(r["copy_ms_expected"] == pytest.approx(1e3 * r["host_bytes"] / rate) for r in rows)
     text = rt.format_placements(_plan(0, 1 << 20))
-    assert "reloads waited (measured)" in text and text.splitlines()[-1].split()[-1] == "1"
+    assert "reloads waited (measured)" in text and text.splitlines()[-1].split()[-2] == "1"
 
 
 def test_the_per_region_share_decides_what_is_recomputed():
@@ -416,6 +417,31 @@ def test_each_region_s_copies_are_measured_beside_the_expected_time():
     assert "measured D2H / H2D" in rt.format_placements(plan).splitlines()[0]
 
 
+def test_each_region_s_backward_is_timed_from_its_first_unstash_to_the_next_region_s(monkeypatch):
+    """backward_ms_measured: region p's backward runs from its first unstash to region p-1's (whose backward is
+    next), region 0's to the backward's end: clock marks 0, 10, 30, 60, 100 ms a step (regions 3, 2, 1, 0, the
+    end) give 10, 20, 30, 40 ms to regions 3, 2, 1, 0. With the host clock, each is > 0 and together they take
+    no longer than the step's backward."""
+    marks = iter(k + d for k in range(0, 100, 10) for d in (0.0, 0.010, 0.030, 0.060, 0.100))
+    monkeypatch.setattr(rt, "_clock", lambda device: next(marks))
+    plan = _plan(0, 1 << 20)
+    _, _, rows, _ = _run(plan)
+    assert [r["backward_ms_measured"] for r in rows] == pytest.approx([40.0, 30.0, 20.0, 10.0])
+    assert rt.format_placements(plan).splitlines()[1].split()[-1] == "40.00"
+    monkeypatch.undo()
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = model(_x().requires_grad_(True)).square().sum()
+            t0 = time.perf_counter()
+            loss.backward()
+            took = 1e3 * (time.perf_counter() - t0)
+    timed = rt._PLACEMENTS[plan.key].backward_ms(complete=False)  # the step just run
+    assert sorted(timed) == list(range(LAYERS)) and all(ms > 0 for ms in timed.values())
+    assert sum(timed.values()) <= took
+
+
 def test_copy_time_sums_seconds_and_finished_events_and_waits_for_running_ones():
     class Event:
         def __init__(self, done, ms=0.0):
@@ -431,3 +457,6 @@ def test_copy_time_sums_seconds_and_finished_events_and_waits_for_running_ones()
     assert rt._copy_ms([0.001, (Event(True), Event(True, 4.0))]) == pytest.approx(5.0)
     assert rt._copy_ms([(Event(True), Event(False))]) is None
     assert rt._copy_ms([]) == 0.0
+    assert rt._elapsed_ms(1.0, 1.25) == pytest.approx(250.0)  # a region's backward: two clock marks
+    assert rt._elapsed_ms(Event(True), Event(True, 7.0)) == 7.0
+    assert rt._elapsed_ms(Event(True), Event(False)) is None and rt._elapsed_ms(1.0, None) is None

@@ -210,6 +210,7 @@ def test_the_prefetch_limit_caps_the_copies_issued_and_not_yet_read(issues, limi
     st, layer = rt.stats(), rt.stats().offloaded_bytes // N_LAYERS
     assert len(issues) >= 3 * N_LAYERS and st.reloaded_bytes == st.offloaded_bytes == N_LAYERS * layer
     largest = max(n for _, n in issues)
+    assert st.largest_reload_bytes == largest
     if limit is None:  # the old way: a layer's first read issues its other copies and the layer before's
         assert max(f for f, _ in issues) > layer, issues
     else:
@@ -217,6 +218,31 @@ def test_the_prefetch_limit_caps_the_copies_issued_and_not_yet_read(issues, limi
         assert limit >= largest or max(f for f, _ in issues) == largest  # one copy at a time
     assert st.waited_reloads == 1 and st.prefetched_bytes == st.reloaded_bytes - issues[0][1], st.format()
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    _assert_empty()
+
+
+def test_a_reload_larger_than_the_prefetch_limit_warns_once_per_limit(issues, monkeypatch):
+    """A copy larger than the limit goes alone, when nothing else is in flight: said once per limit, with the
+    limit that would let two of the largest overlap; a limit that holds every reload says nothing."""
+    import re
+    import warnings
+    monkeypatch.setattr(rt, "_WARNED_LIMITS", set())
+    with no_compile_caches():
+        model, be = _stack(**MANY)
+        _step(model, _x())  # compiles
+        largest = max(n for _, n in issues)
+        for limit, warns in ((largest, False), (largest - 1, True), (largest - 1, False), (1, True)):
+            rt.set_prefetch_limit(limit)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _step(model, _x())
+            said = [str(w.message) for w in caught if issubclass(w.category, sacpass.SacpassWarning)
+                    and "prefetch limit" in str(w.message)]
+            assert len(said) == int(warns), (limit, said)
+            if warns:  # names a reload past this limit, and the limit that fits two of it
+                suggested = int(re.search(r"set_prefetch_limit\((\d+)\)", said[0]).group(1))
+                assert suggested % 2 == 0 and limit < suggested // 2 <= largest, (limit, said[0])
+                assert suggested // 2 in {n for _, n in issues} and "None for no limit" in said[0]
     _assert_empty()
 
 
