@@ -73,6 +73,9 @@ def test_two_layer_16k_model_with_a_host_budget_matches_eager(kind):
         assert [r["region"] for r in rows] == [0, 1]
         assert rows[1]["host_bytes"] == 0 < rows[1]["device_bytes"] and rows[0]["host_bytes"] > 0, rows
         assert st.kept_bytes > 0 and st.waited_reloads == 0, st.format()  # the first layer prefetched
+        # measured on the GPU (timing events): the offloaded region's copies each way, and each region's backward
+        assert rows[0]["d2h_ms_measured"] > 0 and rows[0]["h2d_ms_measured"] > 0, rows
+        assert all(r["backward_ms_measured"] is not None and r["backward_ms_measured"] > 0 for r in rows), rows
     assert any(d.action == "offload" for r in be.reports for d in r.decisions)
     assert torch.allclose(l_p, l_e, rtol=1e-2), (l_p.item(), l_e.item())
     assert set(g_p) == set(g_e) == set(g_c)
