@@ -310,18 +310,25 @@ def r_model(e, plots):
     timed = {v: m["placements"] for v, m in vs.items()
              if m.get("placements") and "d2h_ms_measured" in m["placements"][0]}
     for v, regions in timed.items():
-        backward = "backward_ms_measured" in regions[0]
+        timed_steps = "backward_ms_measured" in regions[0]
         out += [f"`{v}`, where its last timed step put each region's values: GiB on the device and the host, the "
                 "copy time the plan's cost model expected each way beside the copies' own, measured on their "
                 "streams (ms), and the reloads its backward waited for"
-                + (("; and each region's backward as it ran (ms, from its first reload to the next region's): a "
-                    "region's reloads are issued during the backward of the region after it, and hide when their "
-                    "H2D time is well under that one's backward") if backward else "") + ".", ""]
+                + (("; and each region's forward and backward as the cost model expected them (its compiled "
+                    "graphs' ops) and as they ran (ms, from timing events on the compute stream: a forward from "
+                    "the region before's end, a backward from its first reload to the next region's). A region's "
+                    "reloads are issued during the backward of the region after it, and hide when their H2D time "
+                    "is well under that one's backward") if timed_steps else "") + ".", ""]
+
+        def pair(r, way):
+            return f"{f(r.get(f'{way}_ms_expected'), '.1f')} / {f(r.get(f'{way}_ms_measured'), '.1f')}"
+
         out += table(["region", "device GiB", "host GiB", "copy ms expected", "D2H ms measured", "H2D ms measured",
-                      "reloads waited"] + (["backward ms measured"] if backward else []),
+                      "reloads waited"]
+                     + (["forward ms expected / measured", "backward ms expected / measured"] if timed_steps else []),
                      [[r["region"], f(r["device_bytes"] / 2 ** 30), f(r["host_bytes"] / 2 ** 30),
                        f(r["copy_ms_expected"], ".1f"), f(r["d2h_ms_measured"], ".1f"), f(r["h2d_ms_measured"], ".1f"),
-                       r["reloads_waited"]] + ([f(r["backward_ms_measured"], ".1f")] if backward else [])
+                       r["reloads_waited"]] + ([pair(r, "forward"), pair(r, "backward")] if timed_steps else [])
                       for r in regions])
     phased = {v: m["memory_phases"] for v, m in vs.items() if m.get("memory_phases")}
     if phased:

@@ -736,7 +736,8 @@ def _(host, device):
 
 
 # ------------------------------------------------------------------------------ placement by a model plan
-# sacpass::stash(Tensor x, int index, str plan, Tensor[] after) -> Tensor and sacpass::unstash(Tensor handle,
+# sacpass::stash(Tensor x, int index, str plan, Tensor[] after, bool pack=True, float forward_ms=0., float
+# backward_ms=0.) -> Tensor and sacpass::unstash(Tensor handle,
 # SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor: the ops of a sacpass.ModelPlan.
 # stash returns a handle (a one-element int64 host tensor) and decides per call where the value waits for its
 # backward: on the device (kept as it is) or in the host pool (offload's copy, bundle and prefetch). The handle's
@@ -789,6 +790,33 @@ _HANDLE_IDS = iter(range(1, 1 << 62))
 
 
 @dataclass(eq=False)
+class _Timeline:
+    """One step of a model plan as it ran (:func:`_clock` marks) and as its graphs' cost model expected it, by
+    region."""
+
+    forward_done: dict[int, object] = field(default_factory=dict)  # region -> its forward's work done (first stash)
+    backward_began: dict[int, object] = field(default_factory=dict)  # region -> its first unstash
+    backward_ended: object = None  # the backward's end (its final callback)
+    expected: dict[int, tuple[float, float]] = field(default_factory=dict)  # region -> (forward ms, backward ms)
+
+    def forward_ms(self) -> dict[int, float | None]:
+        """Each region's forward (ms) from the region before's forward was done to its own; the first region's has
+        no start mark (None)."""
+        order = sorted(self.forward_done)
+        return {p: None if q is None else _elapsed_ms(self.forward_done[q], self.forward_done[p])
+                for q, p in zip([None] + order[:-1], order)}
+
+    def backward_ms(self) -> dict[int, float | None]:
+        """Each region's backward (ms): from its first unstash to that of the region whose backward came next (the
+        one before it in the step), the last to the backward's end; None while one is running, or without an
+        end mark."""
+        began = self.backward_began
+        order = sorted(began, reverse=True)  # backward order
+        return {p: _elapsed_ms(began[p], began[q] if q is not None else self.backward_ended)
+                for p, q in zip(order, order[1:] + [None])}
+
+
+@dataclass(eq=False)
 class _Placement:
     """Where one model plan puts each value: {(position, index): "device" | "host"}, from the step before."""
 
@@ -809,10 +837,8 @@ class _Placement:
     last_waited: dict[int, int] = field(default_factory=dict)  # the step before
     copies: dict[int, dict[str, list]] = field(default_factory=dict)  # this step: region -> its copies' times
     last_copies: dict[int, dict[str, list]] = field(default_factory=dict)  # the step before
-    began: dict[int, object] = field(default_factory=dict)  # this step: region -> when its backward began (_clock)
-    ended: object = None  # when this step's backward ended
-    last_began: dict[int, object] = field(default_factory=dict)  # the step before
-    last_ended: object = None
+    timeline: "_Timeline" = field(default_factory=lambda: _Timeline())  # this step's
+    last_timeline: "_Timeline" = field(default_factory=lambda: _Timeline())  # the step before's
     peak_bytes: int | None = None  # ModelPlan(peak_bytes=): the device budget follows the measured peak
     device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
     device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
@@ -832,22 +858,29 @@ class _Placement:
             self.last = dict(self.placed)
             self.last_waited = dict(self.waited)
             self.last_copies = self.copies
-            self.last_began, self.last_ended = self.began, self.ended
+            self.last_timeline = self.timeline
         self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
         self.host_used, self.device_used, self.waited, self.copies = 0, 0, {}, {}
-        self.began, self.ended = {}, None
+        self.timeline = _Timeline()
 
     def timing(self, position: int) -> dict[str, list]:
         """Where region ``position``'s copies of this step are timed, each way."""
         return self.copies.setdefault(position, {"d2h": [], "h2d": []})
+
+    def note_forward(self, position: int, device: torch.device, forward_ms: float, backward_ms: float) -> None:
+        """At a region's first stash (its forward's work all issued): mark when it is done, and keep what its
+        graph's cost model expects of its forward and backward."""
+        self.timeline.forward_done[position] = _clock(device)
+        self.timeline.expected[position] = (forward_ms, backward_ms)
 
     def note_backward(self, position: int, device: torch.device) -> None:
         """At each unstash, inside a backward: the first of region ``position`` marks when its backward began; the
         backward's end (an autograd final callback, queued once per backward) marks when it ended and, with
         peak_bytes, reads the device's peak then, so a reset_peak_memory_stats between steps leaves the step's
         own peak to read."""
-        if position not in self.began:
-            self.began[position] = _clock(device)
+        timeline = self.timeline
+        if position not in timeline.backward_began:
+            timeline.backward_began[position] = _clock(device)
         task = torch._C._current_graph_task_id()
         if task < 0 or task == self.task:
             return
@@ -857,19 +890,10 @@ class _Placement:
             mark = _clock(device)
             peak = _device_peak(self.device) if self.peak_bytes is not None and self.device is not None else None
             with _lock:
-                self.ended = mark
+                timeline.backward_ended = mark
                 if peak is not None:
                     self.step_peak = max(self.step_peak or 0, peak)
         torch.autograd.Variable._execution_engine.queue_callback(ended)
-
-    def backward_ms(self, complete: bool) -> dict[int, float | None]:
-        """Each region's backward as it ran (ms): from its first unstash to that of the region whose backward came
-        next (the one before it in the step), the last to the backward's end; None while one is running, or
-        where no end was marked. ``complete``: the step before's, else this one's so far."""
-        began, ended = (self.last_began, self.last_ended) if complete else (self.began, self.ended)
-        order = sorted(began, reverse=True)  # backward order
-        return {p: _elapsed_ms(began[p], began[q] if q is not None else ended)
-                for p, q in zip(order, order[1:] + [None])}
 
     def _follow_peak(self) -> None:
         """With peak_bytes: move the device budget by the step's measured peak (see ModelPlan.peak_bytes)."""
@@ -991,10 +1015,13 @@ def placements(plan=None) -> list[dict]:
     cost model) beside the measured one (``d2h_ms_measured``, ``h2d_ms_measured``: the copies' own time, from
     CUDA timing events on their streams, or the host clock for a CPU tensor's; None while one is still
     running), how many of the region's reloads had no prefetch to hide behind (its backward waited for them),
-    and the region's backward as it ran (``backward_ms_measured``: from its first unstash to the next region's,
-    timing events on the compute stream or the host clock; None where not measured). A region's reloads are
-    issued while the region after it runs its backward: they hide when their H2D time is well under that
-    region's backward_ms_measured (the plan's, or every registered plan's)."""
+    and the region's forward and backward as its graph's cost model expected them (``*_ms_expected``: the
+    compiled forward's and backward's ops, recomputation included) beside what they took
+    (``*_ms_measured``: timing events on the compute stream, or the host clock; a forward from the region
+    before's end to its own, so the first region's is None; a backward from its first unstash to the next
+    region's; None where not measured). A region's reloads are issued while the region after it runs its
+    backward: they hide when their H2D time is well under that region's backward (the plan's, or every
+    registered plan's)."""
     with _lock:
         chosen = [_PLACEMENTS[plan.key]] if plan is not None and plan.key in _PLACEMENTS else \
             list(_PLACEMENTS.values())
@@ -1005,7 +1032,8 @@ def placements(plan=None) -> list[dict]:
                 row = rows.setdefault(pos, {"region": pos, "device_bytes": 0, "host_bytes": 0, "values": 0,
                                             "copy_ms_expected": 0.0, "d2h_ms_measured": 0.0,
                                             "h2d_ms_measured": 0.0, "reloads_waited": 0,
-                                            "backward_ms_measured": None})
+                                            "forward_ms_expected": None, "forward_ms_measured": None,
+                                            "backward_ms_expected": None, "backward_ms_measured": None})
                 row[f"{where}_bytes"] += nbytes
                 row["values"] += 1
                 if where == "host" and pl.copy_bytes_per_s:
@@ -1019,9 +1047,14 @@ def placements(plan=None) -> list[dict]:
                     if pos in rows:
                         got = rows[pos][f"{way}_ms_measured"]
                         rows[pos][f"{way}_ms_measured"] = None if ms is None or got is None else got + ms
-            for pos, ms in pl.backward_ms(complete).items():
-                if pos in rows and ms is not None:
-                    rows[pos]["backward_ms_measured"] = ms
+            timeline = pl.last_timeline if complete else pl.timeline
+            for pos, (fwd, bwd) in timeline.expected.items():
+                if pos in rows:
+                    rows[pos]["forward_ms_expected"], rows[pos]["backward_ms_expected"] = fwd, bwd
+            for way, measured in (("forward", timeline.forward_ms()), ("backward", timeline.backward_ms())):
+                for pos, ms in measured.items():
+                    if pos in rows and ms is not None:
+                        rows[pos][f"{way}_ms_measured"] = ms
         return [rows[p] for p in sorted(rows)]
 
 
@@ -1047,13 +1080,14 @@ def _device_peak(device: tuple[str, int]) -> int | None:
 def format_placements(plan=None) -> str:
     gib = 2 ** 30
     lines = ["region  values  device GiB  host GiB  copy ms (expected, each way)  measured D2H / H2D  "
-             "reloads waited (measured)  backward ms (measured)"]
+             "reloads waited (measured)  forward ms expected / measured  backward ms expected / measured"]
     shown = lambda ms: "-" if ms is None else f"{ms:.2f}"  # noqa: E731
     for r in placements(plan):
         measured = f"{shown(r['d2h_ms_measured'])} / {shown(r['h2d_ms_measured'])}"
         lines.append(f"{r['region']:>6}  {r['values']:>6}  {r['device_bytes'] / gib:>10.3f}  {r['host_bytes'] / gib:>8.3f}"
                      f"  {r['copy_ms_expected']:>28.2f}  {measured:>18}  {r['reloads_waited']:>25}"
-                     f"  {shown(r['backward_ms_measured']):>22}")
+                     f"  {shown(r['forward_ms_expected']) + ' / ' + shown(r['forward_ms_measured']):>31}"
+                     f"  {shown(r['backward_ms_expected']) + ' / ' + shown(r['backward_ms_measured']):>32}")
     if plan is not None and getattr(plan, "peak_bytes", None) is not None and plan.key in _PLACEMENTS:
         b = device_budget(plan)
         read = "none read yet" if b["peak_read"] is None else f"{b['peak_read'] / gib:.3f} GiB read"
@@ -1091,11 +1125,14 @@ def _drain_handles() -> None:
 
 
 @torch.library.custom_op("sacpass::stash", mutates_args=())
-def stash(x: Tensor, index: int, plan: str, after: list[Tensor], pack: bool = True) -> Tensor:
+def stash(x: Tensor, index: int, plan: str, after: list[Tensor], pack: bool = True, forward_ms: float = 0.0,
+          backward_ms: float = 0.0) -> Tensor:
     """Keep ``x`` for the backward where ``plan`` places it (device or host pool); returns its handle. ``after``
     (the forward's other outputs, unread) orders it after all of the forward's work: a compiler sees a tiny
     output and would otherwise move it up to ``x``'s producer, then reuse ``x``'s memory that it keeps.
-    ``pack=False``: never FP8-packed, though the plan compresses (ModelPlan(exact=))."""
+    ``pack=False``: never FP8-packed, though the plan compresses (ModelPlan(exact=)). ``forward_ms`` /
+    ``backward_ms`` (on a graph's first stash): what the cost model expects of the graph's forward and backward,
+    shown beside what each region took (:func:`placements`)."""
     with _lock:
         _drain_handles()
         placement = _PLACEMENTS.get(plan)
@@ -1105,6 +1142,8 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor], pack: bool = Tr
                                f"before running graphs compiled (or cached) with it.")
         placement.device = _device_key(x.device)
         position, mark = _region(x.device, index, placement)
+        if index == 0:
+            placement.note_forward(position, x.device, forward_ms, backward_ms)
         nbytes = _host_layout(x)[2]
         packed = x.numel() if pack and packs(x.dtype, placement.compress) else None
         where = placement.place(position, index, nbytes, packed)
@@ -1127,7 +1166,7 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor], pack: bool = Tr
 
 
 @stash.register_fake
-def _(x, index, plan, after, pack=True):
+def _(x, index, plan, after, pack=True, forward_ms=0.0, backward_ms=0.0):
     return torch.empty(1, dtype=torch.int64, device="cpu")
 
 

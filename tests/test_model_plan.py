@@ -107,7 +107,7 @@ def test_a_region_kept_on_the_device_prefetches_the_one_before():
     rate = sacpass.CostModel().copy_bytes_per_s
     assert all(r["copy_ms_expected"] == pytest.approx(1e3 * r["host_bytes"] / rate) for r in rows)
     text = rt.format_placements(_plan(0, 1 << 20))
-    assert "reloads waited (measured)" in text and text.splitlines()[-1].split()[-2] == "1"
+    assert "reloads waited (measured)" in text and text.splitlines()[-1].split()[-7] == "1"
 
 
 def test_the_per_region_share_decides_what_is_recomputed():
@@ -417,17 +417,31 @@ def test_each_region_s_copies_are_measured_beside_the_expected_time():
     assert "measured D2H / H2D" in rt.format_placements(plan).splitlines()[0]
 
 
-def test_each_region_s_backward_is_timed_from_its_first_unstash_to_the_next_region_s(monkeypatch):
-    """backward_ms_measured: region p's backward runs from its first unstash to region p-1's (whose backward is
-    next), region 0's to the backward's end: clock marks 0, 10, 30, 60, 100 ms a step (regions 3, 2, 1, 0, the
-    end) give 10, 20, 30, 40 ms to regions 3, 2, 1, 0. With the host clock, each is > 0 and together they take
-    no longer than the step's backward."""
-    marks = iter(k + d for k in range(0, 100, 10) for d in (0.0, 0.010, 0.030, 0.060, 0.100))
+def test_each_region_s_forward_and_backward_are_timed_beside_what_the_cost_model_expects(monkeypatch):
+    """forward_ms_measured: from the region before's first stash (its forward's work done) to the region's own,
+    none for the first region; backward_ms_measured: from the region's first unstash to region p-1's (whose
+    backward is next), region 0's to the backward's end. Clock marks of a step at 0, 5, 12, 21 ms (the
+    forwards of regions 0-3) then 100, 110, 130, 160, 200 (the backwards of regions 3, 2, 1, 0, the end) give
+    forwards -, 5, 7, 9 and backwards 40, 30, 20, 10 to regions 0-3. The expected times are the cost model's
+    over the compiled forward's and backward's ops (the stash ops aside), the same for every region of the
+    shared graph. With the host clock, each time is > 0 and the backwards take no longer than the step's."""
+    from sacpass.passes.plan import node_seconds
+
+    marks = iter(k + d for k in range(0, 100, 10)
+                 for d in (0.0, 0.005, 0.012, 0.021, 0.100, 0.110, 0.130, 0.160, 0.200))
     monkeypatch.setattr(rt, "_clock", lambda device: next(marks))
     plan = _plan(0, 1 << 20)
-    _, _, rows, _ = _run(plan)
+    _, _, rows, be = _run(plan)
+    assert rows[0]["forward_ms_measured"] is None
+    assert [r["forward_ms_measured"] for r in rows[1:]] == pytest.approx([5.0, 7.0, 9.0])
     assert [r["backward_ms_measured"] for r in rows] == pytest.approx([40.0, 30.0, 20.0, 10.0])
-    assert rt.format_placements(plan).splitlines()[1].split()[-1] == "40.00"
+    (result,) = be.results
+    for way, gm in (("forward", result.forward), ("backward", result.backward)):
+        want = 1e3 * sum(node_seconds(n, plan.cost) for n in gm.graph.nodes
+                         if n.op == "call_function" and "sacpass." not in str(n.target))
+        assert want > 0 and all(r[f"{way}_ms_expected"] == pytest.approx(want) for r in rows), way
+    last = rt.format_placements(plan).splitlines()[1].split()
+    assert last[-1] == "40.00" and last[-4] == "-"  # region 0: backward measured, no forward measured
     monkeypatch.undo()
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
@@ -437,9 +451,10 @@ def test_each_region_s_backward_is_timed_from_its_first_unstash_to_the_next_regi
             t0 = time.perf_counter()
             loss.backward()
             took = 1e3 * (time.perf_counter() - t0)
-    timed = rt._PLACEMENTS[plan.key].backward_ms(complete=False)  # the step just run
-    assert sorted(timed) == list(range(LAYERS)) and all(ms > 0 for ms in timed.values())
-    assert sum(timed.values()) <= took
+    timeline = rt._PLACEMENTS[plan.key].timeline  # the step just run
+    timed, forwards = timeline.backward_ms(), timeline.forward_ms()
+    assert sorted(timed) == sorted(forwards) == list(range(LAYERS)) and all(ms > 0 for ms in timed.values())
+    assert sum(timed.values()) <= took and forwards[0] is None and all(forwards[p] > 0 for p in range(1, LAYERS))
 
 
 def test_copy_time_sums_seconds_and_finished_events_and_waits_for_running_ones():

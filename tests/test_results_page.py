@@ -151,9 +151,13 @@ def test_a_model_plan_s_regions_show_their_expected_and_measured_copy_times():
     page = _module()
     gib = 2 ** 30
     regions = [{"region": 0, "device_bytes": 0, "host_bytes": 6 * gib, "values": 12, "copy_ms_expected": 113.2,
-                "d2h_ms_measured": 130.4, "h2d_ms_measured": None, "reloads_waited": 3, "backward_ms_measured": 812.5},
+                "d2h_ms_measured": 130.4, "h2d_ms_measured": None, "reloads_waited": 3,
+                "forward_ms_expected": 301.25, "forward_ms_measured": None, "backward_ms_expected": 702.0,
+                "backward_ms_measured": 812.5},
                {"region": 1, "device_bytes": 11 * gib, "host_bytes": 0, "values": 12, "copy_ms_expected": 0.0,
-                "d2h_ms_measured": 0.0, "h2d_ms_measured": 0.0, "reloads_waited": 0, "backward_ms_measured": None}]
+                "d2h_ms_measured": 0.0, "h2d_ms_measured": 0.0, "reloads_waited": 0,
+                "forward_ms_expected": 301.25, "forward_ms_measured": 350.0, "backward_ms_expected": 702.0,
+                "backward_ms_measured": None}]
     old = [{k: v for k, v in r.items() if not k.endswith("_measured")} for r in regions]
     entry = {"meta": {"kind": "model"}, "data": {"args": {"layers": 2, "seq": 1024, "steps": 2, "warmup": 1},
                       "variants": {"control": {"step_ms_median": 4000.0},
@@ -161,7 +165,7 @@ def test_a_model_plan_s_regions_show_their_expected_and_measured_copy_times():
                                    "model_plan:4": {"step_ms_median": 3900.0, "placements": old}}}}
     text = "\n".join(page.r_model(entry, []))
     assert ("| region | device GiB | host GiB | copy ms expected | D2H ms measured | H2D ms measured | reloads waited "
-            "| backward ms measured |") in text
-    assert "| 0 | 0.00 | 6.00 | 113.2 | 130.4 | - | 3 | 812.5 |" in text
-    assert "| 1 | 11.00 | 0.00 | 0.0 | 0.0 | 0.0 | 0 | - |" in text
+            "| forward ms expected / measured | backward ms expected / measured |") in text
+    assert "| 0 | 0.00 | 6.00 | 113.2 | 130.4 | - | 3 | 301.2 / - | 702.0 / 812.5 |" in text
+    assert "| 1 | 11.00 | 0.00 | 0.0 | 0.0 | 0.0 | 0 | 301.2 / 350.0 | 702.0 / - |" in text
     assert "`model_plan:8`, where its last timed step" in text and "`model_plan:4`, where" not in text

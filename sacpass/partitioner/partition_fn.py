@@ -19,7 +19,7 @@ from ..errors import MustSaveViolation, SacpassError, warn
 from ..nodes import snapshot, tag_name
 from ..passes.discrete import keep_decisions_pass
 from ..passes.offload import activation_inputs, exact_marks, offload_marks, offload_pass
-from ..passes.plan import has_region, plan_pass, release_regions
+from ..passes.plan import expected_ms, has_region, plan_pass, release_regions
 from ..passes.tag_policy import tag_policy_pass
 from ..plan import ModelPlan
 from ..selectors import DiscreteSelector
@@ -106,7 +106,8 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     text = joint_text(gm)
     marks, exact = offload_marks(gm), exact_marks(gm)
     fw, bw = _min_cut(gm, joint_inputs, budget, **kwargs)
-    offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0), model_plan, inputs, exact)
+    expected = (expected_ms(fw, cfg.plan.cost), expected_ms(bw, cfg.plan.cost)) if model_plan else (0.0, 0.0)
+    offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0), model_plan, inputs, exact, expected)
     final_tags = {n.name: tag_name(n) for n in gm.graph.nodes}  # the min-cut adds MUST_SAVE at region edges
     decisions = _settle(decisions, bw, facts)
     audit = audit_partition(gm, facts, fw, bw, tags, offloaded)

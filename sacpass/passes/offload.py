@@ -81,9 +81,11 @@ def _insert(graph: torch.fx.Graph, before: torch.fx.Node, op, args: tuple, name:
 
 
 def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, marks: dict[str, str],
-                 num_fwd_outputs: int, model_plan: str = "", inputs=(), exact=frozenset()) -> dict[str, str]:
+                 num_fwd_outputs: int, model_plan: str = "", inputs=(), exact=frozenset(),
+                 expected_ms: tuple[float, float] = (0.0, 0.0)) -> dict[str, str]:
     """Rewrite ``forward`` and ``backward`` (see the module docstring). ``exact``: the names of the placed values
-    the runtime must not pack (their stash says ``pack=False``)."""
+    the runtime must not pack (their stash says ``pack=False``). ``expected_ms``: the (forward, backward) ms the
+    cost model expects of these graphs, carried by the first stash for the run time's per-region report."""
     inputs = set(inputs) if model_plan else set()
     if not marks and not inputs:
         return {}
@@ -120,6 +122,8 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         val = placeholder.meta["val"]
         if node in placed:
             args = (node, stashed, model_plan, after) + ((False,) if node.name in exact else ())
+            if stashed == 0:  # the region's first: it also carries the graphs' expected times
+                args = (node, stashed, model_plan, after, node.name not in exact) + tuple(expected_ms)
             host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default, args, f"{node.name}_stash")
             placeholder.meta["sacpass_stashed"] = val  # what the handle stands for (the report's row)
             stashed += 1

@@ -39,7 +39,7 @@ from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
 from .tag_policy import EXACT_KEY, OFFLOAD, TagResult
 
-__all__ = ["plan_pass", "release_regions", "node_seconds", "has_region"]
+__all__ = ["plan_pass", "release_regions", "node_seconds", "expected_ms", "has_region"]
 
 
 def _meta(val):
@@ -87,6 +87,12 @@ def node_seconds(node: torch.fx.Node, cost: CostModel) -> float:
     tensors = [v for v in ins if isinstance(v, torch.Tensor)]
     dtype = tensors[0].dtype if tensors else torch.bfloat16
     return cost.seconds(flops, nbytes, dtype)
+
+
+def expected_ms(gm: torch.fx.GraphModule, cost: CostModel) -> float:
+    """The milliseconds ``cost`` expects one run of a partitioned graph to take: its ops one after another (a
+    backward's recomputed ops included)."""
+    return 1e3 * sum(node_seconds(n, cost) for n in gm.graph.nodes if n.op == "call_function")
 
 
 @dataclass

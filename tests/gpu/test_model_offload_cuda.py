@@ -76,6 +76,8 @@ def test_two_layer_16k_model_with_a_host_budget_matches_eager(kind):
         # measured on the GPU (timing events): the offloaded region's copies each way, and each region's backward
         assert rows[0]["d2h_ms_measured"] > 0 and rows[0]["h2d_ms_measured"] > 0, rows
         assert all(r["backward_ms_measured"] is not None and r["backward_ms_measured"] > 0 for r in rows), rows
+        assert rows[1]["forward_ms_measured"] > 0 and all(r["forward_ms_expected"] > 0 < r["backward_ms_expected"]
+                                                          for r in rows), rows
     assert any(d.action == "offload" for r in be.reports for d in r.decisions)
     assert torch.allclose(l_p, l_e, rtol=1e-2), (l_p.item(), l_e.item())
     assert set(g_p) == set(g_e) == set(g_c)
