@@ -516,12 +516,12 @@ def _clock(device: torch.device):
 
 
 def _elapsed_ms(start, end) -> float | None:
-    """Milliseconds between two :func:`_clock` marks; None without an end, or while the end's work runs."""
+    """Milliseconds between two :func:`_clock` marks; None without an end, or while either's work runs."""
     if start is None or end is None:
         return None
     if isinstance(start, float):
         return 1e3 * (end - start)
-    return start.elapsed_time(end) if end.query() else None
+    return start.elapsed_time(end) if start.query() and end.query() else None
 
 
 def _drain() -> None:
@@ -560,6 +560,10 @@ def _host_layout(x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return shape, stride, extent * x.element_size()
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes} bytes"
+
+
 def _warn_past_prefetch_limit(nbytes: int) -> None:
     """Once per prefetch limit: a reload larger than the limit is issued only when no other copy is in flight, so
     it neither overlaps the copies before it nor starts early; where such reloads follow each other the backward
@@ -568,10 +572,9 @@ def _warn_past_prefetch_limit(nbytes: int) -> None:
     if limit is None or nbytes <= limit or limit in _WARNED_LIMITS:
         return
     _WARNED_LIMITS.add(limit)
-    gib = 2 ** 30
     warnings.warn(
-        f"sacpass: a reload of {nbytes / gib:.2f} GiB is larger than the offload prefetch limit ({limit / gib:.2f} "
-        f"GiB): each such copy is issued only when no other is in flight, late, and the backward may wait for it "
+        f"sacpass: a reload of {_size(nbytes)} is larger than the offload prefetch limit ({_size(limit)}): each "
+        f"such copy is issued only when no other is in flight, late, and the backward may wait for it "
         f"(sacpass.offload.stats().waited_reloads). Where the device has the room, raise the limit to at least "
         f"twice the largest reload: sacpass.offload.set_prefetch_limit({2 * nbytes}), or None for no limit.",
         SacpassWarning, stacklevel=2)
@@ -800,8 +803,8 @@ class _Timeline:
     expected: dict[int, tuple[float, float]] = field(default_factory=dict)  # region -> (forward ms, backward ms)
 
     def forward_ms(self) -> dict[int, float | None]:
-        """Each region's forward (ms) from the region before's forward was done to its own; the first region's has
-        no start mark (None)."""
+        """Each region's forward (ms) from the region before's first stash to its own (so it carries the region
+        before's stashes: their FP8 packing, with compress); the first region's has no start mark (None)."""
         order = sorted(self.forward_done)
         return {p: None if q is None else _elapsed_ms(self.forward_done[q], self.forward_done[p])
                 for q, p in zip([None] + order[:-1], order)}

@@ -84,6 +84,8 @@ def test_cuda_backward_delta_by_chunks_equals_the_whole(monkeypatch):
         got = tl._row_dot(out, dout)
         assert got.dtype == torch.float32 and got.shape == (37, 4)
         assert torch.equal(got, whole), rows
+    empty = tl._row_dot(out[:0], dout[:0])  # no queries: an empty delta
+    assert empty.shape == (0, 4) and empty.dtype == torch.float32
     monkeypatch.setattr(tl, "DELTA_KERNEL", "fused")
     with pytest.raises(ValueError, match="DELTA_KERNEL must be 'pytorch' or 'tilelang'"):
         tl._row_dot(out, dout)

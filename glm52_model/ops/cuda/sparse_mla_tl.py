@@ -834,6 +834,14 @@ DELTA_KERNEL = "pytorch"
 _ROW_DOT_BYTES = 256 << 20  # fp32 temporaries of one chunk of rows ("pytorch")
 
 
+def _rows16(x: torch.Tensor, d_v: int) -> torch.Tensor:
+    """``x`` as contiguous bf16 [rows, d_v] whose data is 16-byte aligned (the kernel's vector loads)."""
+    x = x.to(torch.bfloat16).contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    return x.view(-1, d_v)
+
+
 def _row_dot(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """sum(out * dout, -1) in fp32, [S, H], for [S, H, d_v] out and dout, by `DELTA_KERNEL`: the PyTorch form a
     chunk of rows at a time, so the fp32 copies of the two tensors (twice their bf16 bytes each) never exist
@@ -842,11 +850,11 @@ def _row_dot(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"sparse_mla_bwd_tl: DELTA_KERNEL must be 'pytorch' or 'tilelang', got {DELTA_KERNEL!r}")
     S, d_v = out.shape[0], out.shape[-1]
     delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+    if not delta.numel():
+        return delta
     if DELTA_KERNEL == "tilelang":
-        if delta.numel():
-            kernel = compile_row_dot(d_v, cuda_target(out.device)["arch"])
-            kernel(out.to(torch.bfloat16).contiguous().view(-1, d_v),
-                   dout.to(torch.bfloat16).contiguous().view(-1, d_v), delta.view(-1))
+        kernel = compile_row_dot(d_v, cuda_target(out.device)["arch"])
+        kernel(_rows16(out, d_v), _rows16(dout, d_v), delta.view(-1))
         return delta
     rows = max(1, _ROW_DOT_BYTES // max(1, 4 * out[0].numel()))
     for a in range(0, S, rows):
