@@ -361,6 +361,8 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
     if isinstance(plan, sacpass.ModelPlan):
         row["placements"] = offload_runtime.placements(plan)
         row["device_budget"] = offload_runtime.device_budget(plan)
+        print(f"{spec}: where the last timed step put each region's values\n{offload_runtime.format_placements(plan)}",
+              flush=True)
     if device.type == "cuda":
         host = torch.cuda.host_memory_stats()  # what PyTorch's pinned allocator holds (sacpass's pool lives there)
         row["offload"]["pytorch_pinned_gib"] = host.get("allocated_bytes.current", 0) / 2 ** 30
