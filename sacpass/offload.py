@@ -496,12 +496,10 @@ def _copy_ms(times: list) -> float | None:
     """The milliseconds of timed copies: CPU seconds, or CUDA (start, end) events; None while one is running."""
     total = 0.0
     for t in times:
-        if isinstance(t, float):
-            total += 1e3 * t
-        elif not t[1].query():
+        ms = 1e3 * t if isinstance(t, float) else _elapsed_ms(*t)
+        if ms is None:
             return None
-        else:
-            total += t[0].elapsed_time(t[1])
+        total += ms
     return total
 
 
@@ -794,9 +792,11 @@ _HANDLE_IDS = iter(range(1, 1 << 62))
 
 @dataclass(eq=False)
 class _Timeline:
-    """One step of a model plan as it ran (:func:`_clock` marks) and as its graphs' cost model expected it, by
-    region."""
+    """One step of a model plan as it ran and as its graphs' cost model expected it, by region: the reloads that
+    waited, the copies' times, the :func:`_clock` marks of its forwards and backwards, the expected times."""
 
+    waited: dict[int, int] = field(default_factory=dict)  # region -> reloads not prefetched
+    copies: dict[int, dict[str, list]] = field(default_factory=dict)  # region -> its copies' times, each way
     forward_done: dict[int, object] = field(default_factory=dict)  # region -> its forward's work done (first stash)
     backward_began: dict[int, object] = field(default_factory=dict)  # region -> its first unstash
     backward_ended: object = None  # the backward's end (its final callback)
@@ -836,12 +836,8 @@ class _Placement:
     device_used: int = 0
     region_bytes: dict[int, int] = field(default_factory=dict)  # this step: position -> its values' bytes so far
     copy_bytes_per_s: float = 0.0  # the plan's cost model: a region's expected copy time, beside the measured
-    waited: dict[int, int] = field(default_factory=dict)  # this step: region -> reloads not prefetched
-    last_waited: dict[int, int] = field(default_factory=dict)  # the step before
-    copies: dict[int, dict[str, list]] = field(default_factory=dict)  # this step: region -> its copies' times
-    last_copies: dict[int, dict[str, list]] = field(default_factory=dict)  # the step before
-    timeline: "_Timeline" = field(default_factory=lambda: _Timeline())  # this step's
-    last_timeline: "_Timeline" = field(default_factory=lambda: _Timeline())  # the step before's
+    timeline: _Timeline = field(default_factory=_Timeline)  # this step's
+    last_timeline: _Timeline = field(default_factory=_Timeline)  # the step before's
     peak_bytes: int | None = None  # ModelPlan(peak_bytes=): the device budget follows the measured peak
     device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
     device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
@@ -859,16 +855,13 @@ class _Placement:
             self._follow_peak()
             self.table = self.solve(self.recording, self.host_sizes)
             self.last = dict(self.placed)
-            self.last_waited = dict(self.waited)
-            self.last_copies = self.copies
             self.last_timeline = self.timeline
         self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
-        self.host_used, self.device_used, self.waited, self.copies = 0, 0, {}, {}
-        self.timeline = _Timeline()
+        self.host_used, self.device_used, self.timeline = 0, 0, _Timeline()
 
     def timing(self, position: int) -> dict[str, list]:
         """Where region ``position``'s copies of this step are timed, each way."""
-        return self.copies.setdefault(position, {"d2h": [], "h2d": []})
+        return self.timeline.copies.setdefault(position, {"d2h": [], "h2d": []})
 
     def note_forward(self, position: int, device: torch.device, forward_ms: float, backward_ms: float) -> None:
         """At a region's first stash (its forward's work all issued): mark when it is done, and keep what its
@@ -1041,16 +1034,16 @@ def placements(plan=None) -> list[dict]:
                 row["values"] += 1
                 if where == "host" and pl.copy_bytes_per_s:
                     row["copy_ms_expected"] += 1e3 * nbytes / pl.copy_bytes_per_s
-            for pos, n in (pl.last_waited if complete else pl.waited).items():
+            timeline = pl.last_timeline if complete else pl.timeline
+            for pos, n in timeline.waited.items():
                 if pos in rows:
                     rows[pos]["reloads_waited"] += n
-            for pos, times in (pl.last_copies if complete else pl.copies).items():
+            for pos, times in timeline.copies.items():
                 for way in ("d2h", "h2d"):
                     ms = _copy_ms(times[way])
                     if pos in rows:
                         got = rows[pos][f"{way}_ms_measured"]
                         rows[pos][f"{way}_ms_measured"] = None if ms is None or got is None else got + ms
-            timeline = pl.last_timeline if complete else pl.timeline
             for pos, (fwd, bwd) in timeline.expected.items():
                 if pos in rows:
                     rows[pos]["forward_ms_expected"], rows[pos]["backward_ms_expected"] = fwd, bwd
@@ -1203,7 +1196,7 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
         host, scales = item.value, item.scales
         entry = _ENTRIES.get(host.data_ptr()) if host.numel() else None
         if entry is not None and entry.reload is None:  # no prefetch issued its copy: the backward waits for it
-            waited = item.placement.waited
+            waited = item.placement.timeline.waited
             waited[item.position] = waited.get(item.position, 0) + 1
     if scales is None:
         return reload(host, device)

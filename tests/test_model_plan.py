@@ -411,7 +411,7 @@ def test_each_region_s_copies_are_measured_beside_the_expected_time():
     host_rows, kept = rows[:-1], rows[-1]
     assert all(r["d2h_ms_measured"] > 0 and r["h2d_ms_measured"] > 0 and r["copy_ms_expected"] > 0 for r in host_rows)
     assert kept["d2h_ms_measured"] == kept["h2d_ms_measured"] == 0.0 and kept["host_bytes"] == 0
-    timed = rt._PLACEMENTS[plan.key].last_copies
+    timed = rt._PLACEMENTS[plan.key].last_timeline.copies
     assert sorted(timed) == [r["region"] for r in host_rows]
     assert all(len(timed[r["region"]]["d2h"]) == len(timed[r["region"]]["h2d"]) == r["values"] for r in host_rows)
     assert "measured D2H / H2D" in rt.format_placements(plan).splitlines()[0]
