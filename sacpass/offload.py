@@ -42,7 +42,9 @@ State is per device (streams), per thread (the bundle chain a forward appends to
 under one lock; the backward's copies follow the bundle chain, never a global list. Two models stepping in
 two threads, or two microbatches interleaved (F1 F2 B1 B2), each prefetch their own previous layer. Two GPUs
 of one process keep apart by construction (streams and chains are keyed by device), which the tests cannot
-show here: the test machines have one GPU at most.
+show here: the test machines have one GPU at most. The runtime's warnings (a reload past the prefetch limit, a
+model plan's peak past its cap) are given as its op returns, outside the lock: a filter that makes them errors
+stops the forward or backward with the copy issued and the step placed, never halfway through either.
 
 On the CPU (a CPU tensor offloaded) the same code runs: pool, bundles, prefetch order, reload and free, with
 the copies done synchronously and an unpinned pool, so the lifecycle is tested without a GPU.
@@ -78,6 +80,7 @@ _HOST_MARGIN = 0.05  # share of physical memory a new slab must leave available 
 _HOST_LIMIT = int(0.8 * physical_memory())
 _PREFETCH_LIMIT: int | None = 4 << 30
 _WARNED_LIMITS: set[int] = set()  # prefetch limits a larger reload has been warned of
+_SAY: list[str] = []  # warnings found under the lock, given by _say() once the runtime's change is complete
 
 
 def set_host_limit(nbytes: int) -> None:
@@ -570,12 +573,21 @@ def _warn_past_prefetch_limit(nbytes: int) -> None:
     if limit is None or nbytes <= limit or limit in _WARNED_LIMITS:
         return
     _WARNED_LIMITS.add(limit)
-    warnings.warn(
+    _SAY.append(
         f"sacpass: a reload of {_size(nbytes)} is larger than the offload prefetch limit ({_size(limit)}): each "
         f"such copy is issued only when no other is in flight, late, and the backward may wait for it "
         f"(sacpass.offload.stats().waited_reloads). Where the device has the room, raise the limit to at least "
-        f"twice the largest reload: sacpass.offload.set_prefetch_limit({2 * nbytes}), or None for no limit.",
-        SacpassWarning, stacklevel=2)
+        f"twice the largest reload: sacpass.offload.set_prefetch_limit({2 * nbytes}), or None for no limit.")
+
+
+def _say() -> None:
+    """Give the warnings found under the lock, outside it (at the end of an op): a filter that turns them into
+    errors then stops the caller with the runtime's state complete (the copy issued, the next step placed)."""
+    with _lock:
+        said = list(_SAY)
+        _SAY.clear()
+    for message in said:
+        warnings.warn(message, SacpassWarning, stacklevel=3)
 
 
 def _issue_reload(entry: _Entry, device: torch.device) -> None:
@@ -728,6 +740,7 @@ def reload(host: Tensor, device: torch.device) -> Tensor:
         return _plain_copy(host, device)
     if device.type == "cuda":
         torch.cuda.current_stream(device).wait_event(event)
+    _say()
     return out
 
 
@@ -903,13 +916,12 @@ class _Placement:
             lowered = max(self.gpu_bytes, self.device_budget - (peak - self.peak_bytes))
             if lowered == self.device_budget and not self.warned:
                 self.warned = True
-                warnings.warn(
+                _SAY.append(
                     f"sacpass: ModelPlan(peak_bytes={self.peak_bytes}): the step peaked at {peak} bytes on the device "
                     f"with the device budget at gpu_bytes={self.gpu_bytes}, the least it keeps. Lower gpu_bytes, or "
                     f"raise peak_bytes to what the step needs; the plan goes on at gpu_bytes. (The peak read is "
                     f"torch.cuda.max_memory_allocated(): if the compiling step set it, call "
-                    f"torch.cuda.reset_peak_memory_stats() after that step.)", SacpassWarning,
-                    stacklevel=2)
+                    f"torch.cuda.reset_peak_memory_stats() after that step.)")
             self.device_budget = lowered
         self.peak_read = peak
 
@@ -1148,17 +1160,19 @@ def stash(x: Tensor, index: int, plan: str, after: list[Tensor], pack: bool = Tr
             _STATS.kept_bytes += nbytes
             _STASHED[key] = _Stashed(x, mark, on_host=False, placement=placement, position=position, source=weakref.ref(x),
                                      version=x._version)
-            return _handle(key)
-        first, mark.bundled = not mark.bundled, True
-        sent, scales = (x, None) if packed is None else compression.pack(x)  # packed on the compute stream
-        timing = placement.timing(position)
-        host = _to_host(sent, 0 if first else 1, timing)  # index 0: the region's first host value opens its bundle
-        if scales is not None:
-            scales = _to_host(scales, 1, timing)
-            _STATS.packed_bytes += nbytes
-        _STASHED[key] = _Stashed(host, mark, on_host=True, placement=placement, position=position, source=weakref.ref(x),
-                                 version=x._version, scales=scales)
-    return _handle(key)
+        else:
+            first, mark.bundled = not mark.bundled, True
+            sent, scales = (x, None) if packed is None else compression.pack(x)  # packed on the compute stream
+            timing = placement.timing(position)
+            host = _to_host(sent, 0 if first else 1, timing)  # index 0: the region's first host value opens its bundle
+            if scales is not None:
+                scales = _to_host(scales, 1, timing)
+                _STATS.packed_bytes += nbytes
+            _STASHED[key] = _Stashed(host, mark, on_host=True, placement=placement, position=position,
+                                     source=weakref.ref(x), version=x._version, scales=scales)
+        handle = _handle(key)
+    _say()  # after the handle: an error raised here drops it, and the stashed value with it
+    return handle
 
 
 @stash.register_fake
@@ -1192,12 +1206,15 @@ def unstash(handle: Tensor, size: list[int], stride: list[int], dtype: torch.dty
             # (a view kept by the forward's caller, another saved view) shares its memory
             if torch._C._storage_Use_Count(out.untyped_storage()._cdata) > 2:
                 out = out.clone()
-            return out
-        host, scales = item.value, item.scales
-        entry = _ENTRIES.get(host.data_ptr()) if host.numel() else None
-        if entry is not None and entry.reload is None:  # no prefetch issued its copy: the backward waits for it
-            waited = item.placement.timeline.waited
-            waited[item.position] = waited.get(item.position, 0) + 1
+        else:
+            host, scales = item.value, item.scales
+            entry = _ENTRIES.get(host.data_ptr()) if host.numel() else None
+            if entry is not None and entry.reload is None:  # no prefetch issued its copy: the backward waits for it
+                waited = item.placement.timeline.waited
+                waited[item.position] = waited.get(item.position, 0) + 1
+    if not item.on_host:
+        _say()  # the prefetch's warnings (the reload's own are said by reload)
+        return out
     if scales is None:
         return reload(host, device)
     out = torch.empty_strided(size, stride, dtype=dtype, device=device)

@@ -8,6 +8,7 @@ tests/gpu/test_model_offload_cuda.py.
 """
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 
@@ -369,6 +370,30 @@ def test_a_step_past_the_peak_cap_lowers_the_budget_and_warns_at_gpu_bytes(monke
     with pytest.warns(sacpass.SacpassWarning, match=r"peak_bytes=.*peaked at .* gpu_bytes=\d+, the least it keeps"):
         _, _, rows, _ = _run(plan, steps=3)
     assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION]
+
+
+def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_placed(monkeypatch):
+    """The warning that the step peaked past the cap at gpu_bytes comes from the first stash of the next step;
+    made an error, it stops that forward only after the step was placed (the budget lowered, the table made).
+    The aborted forward is a step of one value: the step after it is placed from that, the next one from a
+    whole step again."""
+    plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
+    monkeypatch.setattr(rt, "_device_peak", lambda device: BASE + 10 * REGION)
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
+        _step(model, _x())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", sacpass.SacpassWarning)
+            with pytest.raises(sacpass.SacpassWarning, match="the least it keeps"):
+                _step(model, _x())
+        gc.collect()  # the traceback's frames held the aborted forward's handles (a new step starts once they go)
+        assert rt.device_budget(plan)["peak_read"] == BASE + 10 * REGION
+        for _ in range(3):
+            grads = _step(model, _x())
+    rows = rt.placements(plan)
+    assert [r["region"] for r in rows] == list(range(LAYERS))
+    assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION], rows
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(grads, _eager()))
 
 
 def test_a_peak_cap_without_a_device_peak_keeps_gpu_bytes():

@@ -246,6 +246,33 @@ def test_a_reload_larger_than_the_prefetch_limit_warns_once_per_limit(issues, mo
     _assert_empty()
 
 
+def test_a_warning_turned_into_an_error_stops_the_backward_after_the_runtime_is_done(issues, monkeypatch):
+    """Under a filter that makes sacpass's warnings errors, the prefetch-limit warning stops the backward only
+    once the reload it is about has been issued and handed over (it is said outside the runtime's lock), and
+    the next step, warned no more, runs with every copy and block accounted for."""
+    import warnings
+    monkeypatch.setattr(rt, "_WARNED_LIMITS", set())
+    with no_compile_caches():
+        model, be = _stack(**MANY)
+        expected = _step(model, _x())  # compiles
+        largest = max(n for _, n in issues)
+        rt.set_prefetch_limit(largest - 1)
+        rt.reset_stats()
+        issues.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", sacpass.SacpassWarning)
+            with pytest.raises(sacpass.SacpassWarning, match="larger than the offload prefetch limit"):
+                _step(model, _x())
+        assert issues and rt.stats().reloaded_bytes == sum(n for _, n in issues) > 0
+        assert rt._SAY == []
+        rt.reset_stats()
+        grads = _step(model, _x())
+        st = rt.stats()
+    assert st.reloaded_bytes == st.offloaded_bytes > 0, st.format()
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    _assert_empty()
+
+
 def test_the_prefetch_follows_the_order_the_backward_read_in_last(issues):
     """One copy ahead at a time: with the reading order learned, no read but the step's first waits; with a
     wrong order planted (the forward's), reads wait, and the next step has learned the right one again."""
