@@ -473,10 +473,48 @@ def plot_topk(d: dict, path: str) -> None:
     _save(fig, path)
 
 
+def _pf():
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import plot_frontier
+    return plot_frontier
+
+
 def plot_frontier(sources: list[dict], path: str) -> None:
-    sys.path.insert(0, HERE)
-    import plot_frontier as pf
+    pf = _pf()
     pf.draw(pf.panels(sources), path)
+
+
+def model_against_control(entries: list[dict], plots: list) -> list[str]:
+    """The page's summary of the whole-model measurements: every bench_model row as a share of its own file's
+    control (step, peak allocated, peak reserved), a table per model shape and one plot."""
+    pf = _pf()
+    sources = [(e["name"], e["data"]) for e in entries if e["meta"]["kind"] == "model" and e["data"]]
+    groups = pf.against_control(sources)
+    if not groups:
+        return []
+    name = "model_against_control_h200.png"
+    plots.append((name, lambda path: pf.draw_against_control(groups, path)))
+    out = ["## The whole model against full recompute", "",
+           "Every whole-model row (`benchmarks/bench_model.py`) beside the full recompute (`control`) measured in "
+           "its own file: its step time, peak allocated and peak reserved GiB as shares of that control's, fastest "
+           "first. Rows measured at different times compare through their controls. `exact`: the backward reads "
+           "the forward's values bit for bit; `FP8-packed`: ModelPlan(compress=\"fp8\") sends the floating values "
+           "to the host as float8 with per-128 scales (lossy). The plot leaves out the rows run under another "
+           "allocator configuration.", ""]
+    for (layers, seq), rows in groups.items():
+        out += [f"{layers} layers, S={kb(seq)}:", ""]
+        out += table(["variant", "file", "step / control", "allocated / control", "reserved / control", "values",
+                      "allocator", "loss - control's"],
+                     [[f"`{r['variant']}`", f"`{r['file']}`",
+                       f(r["step"], ".3f") if r["status"] == "ok" else {"oom": "out of memory"}.get(r["status"], r["status"]),
+                       f(r["allocated"], ".3f"), f(r["reserved"], ".3f"), "FP8-packed" if r["lossy"] else "exact",
+                       f(r["allocator"]), f(r["loss_diff"], "+.4f")] for r in rows])
+    out += [f"![every whole-model row against its control](results/{name})", "",
+            "Plot: `python3 benchmarks/plot_frontier.py --against-control "
+            + " ".join(f"benchmarks/results/{n}" for n in sorted({r["file"] for rows in groups.values() for r in rows}))
+            + f" --out docs/results/{name}`.", ""]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the page
@@ -500,6 +538,7 @@ def render(entries: list[dict]) -> tuple[str, list]:
         lines.append(f"| [{e['meta']['title']}](#{anchor}) | `{e['name']}` | {e['meta']['machine']} | "
                      f"{e['meta'].get('date', '-')} |")
     lines.append("")
+    lines += model_against_control(entries, plots)
     for e in entries:
         m = e["meta"]
         lines += [f"## {m['title']}", "", m["about"], ""]

@@ -169,3 +169,36 @@ def test_a_model_plan_s_regions_show_their_expected_and_measured_copy_times():
     assert "| 0 | 0.00 | 6.00 | 113.2 | 130.4 | - | 3 | 301.2 / - | 702.0 / 812.5 |" in text
     assert "| 1 | 11.00 | 0.00 | 0.0 | 0.0 | 0.0 | 0 | 301.2 / 350.0 | 702.0 / - |" in text
     assert "`model_plan:8`, where its last timed step" in text and "`model_plan:4`, where" not in text
+
+
+def test_the_whole_model_summary_puts_each_row_against_its_own_file_s_control():
+    """Two files of one shape, each with its control: every row is a share of its own control (a row set
+    against the other file's would read differently), FP8-packed variants are flagged, an allocator set on the
+    command is named, a row that ran out of memory stays, and the plot is asked for."""
+    page = _module()
+
+    def row(step, alloc, reserved, loss, **kw):
+        return {"step_ms_median": step, "peak_allocated_gib": alloc, "peak_reserved_gib": reserved, "loss": loss, **kw}
+
+    args = {"layers": 4, "seq": 2048, "steps": 2, "warmup": 1}
+    first = {"args": args, "meta": {"command": "python3 benchmarks/bench_model.py"},
+             "variants": {"control": row(1000.0, 10.0, 20.0, 2.0), "model_plan:8": row(900.0, 11.0, 25.0, 2.001),
+                          "model_plan:16": {"status": "oom", "error": "CUDA out of memory."}}}
+    second = {"args": args, "meta": {"command": "python3 benchmarks/bench_model.py"},
+              "variants": {"control": row(2000.0, 20.0, 40.0, 2.0),
+                           "model_plan_fp8:8@3": row(1700.0, 15.0, 30.0, 1.999),
+                           "model_plan:0": row(1900.0, 20.0, 40.0, 2.0, command="PYTORCH_CUDA_ALLOC_CONF="
+                                               "expandable_segments:True python3 benchmarks/bench_model.py")}}
+    entries = [{"name": n, "meta": {"kind": "model"}, "data": d} for n, d in (("a.json", first), ("b.json", second))]
+    plots = []
+    text = "\n".join(page.model_against_control(entries, plots))
+    assert "4 layers, S=2K:" in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("| `")]
+    assert lines == [
+        "| `model_plan_fp8:8@3` | `b.json` | 0.850 | 0.750 | 0.750 | FP8-packed | default | -0.0010 |",
+        "| `model_plan:8` | `a.json` | 0.900 | 1.100 | 1.250 | exact | default | +0.0010 |",
+        "| `model_plan:0` | `b.json` | 0.950 | 1.000 | 1.000 | exact | expandable_segments:True | +0.0000 |",
+        "| `model_plan:16` | `a.json` | out of memory | - | - | exact | default | - |"], lines
+    assert [n for n, _ in plots] == ["model_against_control_h200.png"]
+    assert "--against-control benchmarks/results/a.json benchmarks/results/b.json --out" in text
+    assert page.model_against_control([], []) == []  # no model file: no section
