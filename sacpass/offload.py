@@ -864,7 +864,10 @@ class _Placement:
             self.device_budget = self.gpu_bytes
 
     def new_step(self) -> None:
-        if self.recording:
+        """The step before is over: where a backward ran in it, its sizes and measured peak place the next one. A
+        forward whose backward never ran (an exception part way, an evaluation under grad) is not a step to
+        place from: the next step is placed as it would have been without it."""
+        if self.recording and self.timeline.backward_began:
             self._follow_peak()
             self.table = self.solve(self.recording, self.host_sizes)
             self.last = dict(self.placed)

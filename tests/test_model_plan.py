@@ -9,6 +9,7 @@ tests/gpu/test_model_offload_cuda.py.
 from __future__ import annotations
 
 import gc
+import re
 import time
 import warnings
 
@@ -201,6 +202,102 @@ def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
         assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(g, ref))
 
 
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_dynamic_shape_compile_places_its_values_and_matches_eager(inner):
+    """A batch of another size recompiles the layers for a dynamic batch: the unstash ops' sizes and strides
+    are symbolic, and the backward rebuilds them from its own inputs (their names, not a symbol's text); each
+    region is placed as under the static compile and the gradients equal eager's at every size."""
+    plan = _plan(REGION, 1 << 20)
+    with no_compile_caches():
+        be = sacpass.backend(inner=inner, plan=plan)
+        model = CompiledStack(be, LAYERS, 0)
+        eager = CompiledStack("eager", LAYERS, 0)
+        for rows in (24, 25, 26, 24):
+            x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
+            grads, ref = _step(model, x), _step(eager, x)
+            assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(grads, ref)), rows
+    dynamic = [r for r in be.results if any(isinstance(n.meta.get("val"), torch.SymInt)
+                                            for n in r.backward.graph.find_nodes(op="placeholder"))]
+    assert dynamic, "no dynamic-shape compile"
+    unstash = [n for r in dynamic for n in r.backward.graph.nodes if n.target is torch.ops.sacpass.unstash.default]
+    assert unstash and any(isinstance(a, torch.fx.Node) for n in unstash for a in n.args[1]), unstash
+    rows = rt.placements(plan)  # the dynamic graph saves more: the last region keeps the most, within the budget
+    assert rows[3]["device_bytes"] > max(r["device_bytes"] for r in rows[:3]), rows
+    assert all(r["host_bytes"] > 0 for r in rows) and sum(r["device_bytes"] for r in rows) <= REGION, rows
+    assert rt.stats().bundles_alive == 0 and rt.stats().host_bytes_alive == 0
+
+
+def test_a_symbolic_size_the_backward_cannot_rebuild_goes_to_the_host_and_says_so():
+    """The backward's only input that carries the batch symbol is the placed value itself (its handle has no
+    shape): the pass cannot give unstash that size, so the value goes through sacpass::offload (to the host at
+    every layer) with a warning naming it and the fix. A symbol another input carries is read from it."""
+    import operator
+
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from sacpass.passes.offload import _SymSizes, offload_pass
+
+    env = ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(6, ConstantSource("rows")), hint=6)
+    with FakeTensorMode(shape_env=env):
+        x = torch.empty(s, 8)
+        z, scalar = x.sin(), x.sin().sum()
+
+    def graph(inputs, body):
+        g = torch.fx.Graph()
+        phs = {}
+        for name, val in inputs:
+            phs[name] = g.placeholder(name)
+            phs[name].meta["val"] = val
+        out = body(g, phs)
+        g.output(out)
+        return torch.fx.GraphModule(torch.nn.Module(), g), phs
+
+    def fw_body(g, ph):
+        sin = g.call_function(torch.ops.aten.sin.default, (ph["x"],), name="sin")
+        sin.meta["val"] = z
+        total = g.call_function(torch.ops.aten.sum.default, (sin,))
+        total.meta["val"] = scalar
+        return (total, sin)
+
+    def bw_body(g, ph):
+        cos = g.call_function(torch.ops.aten.cos.default, (ph["sin"],))
+        cos.meta["val"] = z
+        grad = g.call_function(torch.ops.aten.mul.Tensor, (cos, ph["tangents_1"]))
+        grad.meta["val"] = z
+        return (grad,)
+
+    forward, _ = graph([("x", x)], fw_body)
+    backward, bw_ph = graph([("sin", z), ("tangents_1", scalar)], bw_body)
+    with pytest.warns(sacpass.SacpassWarning, match=r"sin has size 0 \(s\d+\).*sacpass::offload.*mark_static"):
+        done = offload_pass(forward, backward, {"sin": "plan"}, 1, model_plan="layers=1")
+    assert done == {"sin": "plan"}
+    targets = [n.target for n in forward.graph.nodes] + [n.target for n in backward.graph.nodes]
+    assert torch.ops.sacpass.offload.default in targets and torch.ops.sacpass.reload.default in targets
+    assert torch.ops.sacpass.stash.default not in targets and torch.ops.sacpass.unstash.default not in targets
+
+    # a SymInt input carries the symbol: sizes and strides (8 * rows for an [8, rows, 8] value) read from it
+    backward, ph = graph([("n", s), ("sin", z)], lambda g, ph: (ph["sin"],))
+    sym = _SymSizes(backward, [ph["n"]])
+    with FakeTensorMode(shape_env=env):
+        cube = torch.empty(8, s, 8)
+    assert sym.missing(cube.shape, cube.stride()) is None
+    first = backward.graph.find_nodes(op="output")[0]
+    sizes, strides = sym.ints(cube.shape, first), sym.ints(cube.stride(), first)
+    assert sizes == [8, ph["n"], 8] and strides[1:] == [8, 1]
+    assert strides[0].target is operator.mul and strides[0].meta["val"] == 8 * s
+    assert re.fullmatch(r"stride 0 \(8\*s\d+\)", _SymSizes(backward, []).missing([8, 8, 8], cube.stride()))
+    # else a tensor input of that size (a tangent): read once at the graph's start, aten.sym_size.int
+    backward, ph = graph([("sin", z), ("tangents_1", z)], lambda g, ph: (ph["sin"],))
+    sym = _SymSizes(backward, [ph["tangents_1"]])
+    (rows, eight) = sym.ints(z.shape, backward.graph.find_nodes(op="output")[0])
+    assert rows.target is torch.ops.aten.sym_size.int and rows.args == (ph["tangents_1"], 0) and eight == 8
+    assert rows.prev is ph["tangents_1"] and rows.meta["val"] == z.shape[0]
+    backward.graph.lint()
+
+
 def _forward_keeping_input_refs(model, x):
     """Run the forward; returns (output, weak references to each layer's input)."""
     import weakref
@@ -374,9 +471,9 @@ def test_a_step_past_the_peak_cap_lowers_the_budget_and_warns_at_gpu_bytes(monke
 
 def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_placed(monkeypatch):
     """The warning that the step peaked past the cap at gpu_bytes comes from the first stash of the next step;
-    made an error, it stops that forward only after the step was placed (the budget lowered, the table made).
-    The aborted forward is a step of one value: the step after it is placed from that, the next one from a
-    whole step again."""
+    made an error, it stops that forward only after the step was placed (the budget lowered, the table made);
+    the aborted forward (one value stashed, no backward) is no step to place from, so the next step is placed
+    as if it had not run."""
     plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
     monkeypatch.setattr(rt, "_device_peak", lambda device: BASE + 10 * REGION)
     with no_compile_caches():
@@ -388,12 +485,30 @@ def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_place
                 _step(model, _x())
         gc.collect()  # the traceback's frames held the aborted forward's handles (a new step starts once they go)
         assert rt.device_budget(plan)["peak_read"] == BASE + 10 * REGION
-        for _ in range(3):
-            grads = _step(model, _x())
+        grads = _step(model, _x())
     rows = rt.placements(plan)
     assert [r["region"] for r in rows] == list(range(LAYERS))
     assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION], rows
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(grads, _eager()))
+
+
+def test_a_forward_whose_backward_never_ran_does_not_place_the_next_step():
+    """An evaluation under grad on a batch twice the size between two training steps: its values would not fit
+    the device budget, but no backward ran, so the next step is placed from the training step before it."""
+    plan = _plan(REGION, 1 << 20)
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
+        _step(model, torch.randn(25, 32))  # the second size compiles one graph for every batch size (dynamic)
+        for _ in range(3):  # compiled, then placed from a step of that graph
+            _step(model, _x())
+        placed = [(r["device_bytes"], r["host_bytes"]) for r in rt.placements(plan)]
+        model(torch.cat([_x(), _x()])).sum()  # its graph goes at once; its values with it
+        grads = _step(model, _x())
+    rows = rt.placements(plan)
+    assert [(r["device_bytes"], r["host_bytes"]) for r in rows] == placed, rows
+    assert placed[3][1] == 0 and all(host > 0 for _, host in placed[:3]), placed
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(grads, _eager()))
+    assert rt.stats().bundles_alive == 0 and rt.stats().host_bytes_alive == 0
 
 
 def test_a_peak_cap_without_a_device_peak_keeps_gpu_bytes():
