@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import textwrap
 
 
 def _layer_panels(result: dict) -> list[tuple[str, dict]]:
@@ -38,21 +39,25 @@ def _model_panel(result: dict) -> list[tuple[str, dict]]:
     return [(f"{args.get('layers')} layers, S={args.get('seq', 0) // 1024}K (s)", points)] if points else []
 
 
-def solver_note(points: dict) -> str:
-    """Where PyTorch's budget solver stops, against control's peak and the lowest sacpass plan: '' when the panel
-    has no solver point."""
-    solver = {v: p for v, p in points.items() if v.startswith("pytorch_budget")}
-    plans = {v: p for v, p in points.items() if v.startswith(("model_plan", "plan"))}
+def solver_note(points: dict, peak=lambda x: f"{x:.1f} GiB") -> list[str]:
+    """Where PyTorch's budget solver stops, against control's peak and the lowest sacpass plan, as lines of text
+    (``peak`` formats a peak); none when the points have no solver row. ``points``: {variant: (peak, step)}."""
+    solver = [p for v, p in points.items() if v.startswith("pytorch_budget")]
+    plans = [p for v, p in points.items() if v.startswith(("model_plan", "plan"))]
     if not solver:
-        return ""
-    low = min(solver.values())
-    text = ("dashed: control's peak\n" if "control" in points else "") + \
-        f"PyTorch's solver: lowest peak {low[0]:.1f} GiB"
-    if "control" in points and low[0] > points["control"][0]:
-        text += "\n(never down to control's)"
+        return []
+    low = min(solver)[0]
+    lines = [f"PyTorch's solver: lowest peak {peak(low)}"
+             + (" (never down to control's)" if "control" in points and low > points["control"][0] else "")]
     if plans:
-        text += f"\nsacpass plans: lowest peak {min(plans.values())[0]:.1f} GiB"
-    return text
+        lines.append(f"sacpass plans: lowest peak {peak(min(plans)[0])}")
+    return lines
+
+
+def _corner_note(ax, lines: list[str]) -> None:
+    """Lines of text, wrapped narrow, in a panel's lower right corner (where faster-and-bigger rows seldom are)."""
+    text = "\n".join(textwrap.fill(line, 44, subsequent_indent="  ") for line in lines)
+    ax.text(0.98, 0.02, text, transform=ax.transAxes, fontsize=6.5, va="bottom", ha="right")
 
 
 def panels(results: list[dict]) -> list[tuple[str, dict]]:
@@ -78,8 +83,9 @@ def draw(panel_list: list[tuple[str, dict]], path: str, title: str = "memory-spe
         note = solver_note(points)
         if "control" in points:
             ax.axvline(points["control"][0], color="grey", lw=0.8, ls="--")
+            note = ["dashed: control's peak"] + note if note else note
         if note:
-            ax.text(0.98, 0.98, note, transform=ax.transAxes, fontsize=6.5, va="top", ha="right")
+            _corner_note(ax, note)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("peak allocated (GiB)")
         ax.set_ylabel("step time")
@@ -140,12 +146,22 @@ def against_control(results: list[tuple[str, dict]]) -> dict[tuple[int, int], li
     return dict(sorted(groups.items(), key=lambda kv: (-(kv[0][0] or 0), kv[0][1] or 0)))
 
 
+def solver_note_against_control(rows: list[dict], memory: str) -> list[str]:
+    """:func:`solver_note` for one shape's rows of :func:`against_control` (those of the default allocator), with
+    peaks (``memory``: "allocated" or "reserved") as shares of control's."""
+    points = {"control": (1.0, 1.0)}
+    for r in rows:
+        if r["allocator"] == "default" and r["step"] is not None and r[memory] is not None:
+            points[f"{r['variant']} {r['file']}"] = (r[memory], r["step"])
+    return solver_note(points, peak=lambda x: f"{x:.3f} of control's")
+
+
 def draw_against_control(groups: dict[tuple[int, int], list[dict]], path: str,
                          title: str = "whole model against full recompute, H200") -> str:
     """Two panels per model shape (peak allocated, peak reserved): each row as (its peak / control's, its step /
     control's), exact variants as dots and FP8-packed (lossy) ones as triangles; the default allocator's rows
     only. Lower left of the dashed lines: faster than full recompute at less memory. Rows that did not run are
-    named in the panel. Same bytes for the same input and matplotlib."""
+    named in the panel, and where PyTorch's solver stops beside the lowest plan (:func:`solver_note`). Same bytes for the same input and matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -166,6 +182,9 @@ def draw_against_control(groups: dict[tuple[int, int], list[dict]], path: str,
             ax.annotate("control", (1.0, 1.0), fontsize=6.5, xytext=(3, -9), textcoords="offset points")
             ax.axvline(1.0, color="grey", lw=0.8, ls="--")
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            note = solver_note_against_control(rows, memory)
+            if note:
+                _corner_note(ax, note)
             failed = sorted({f"{r['variant']} ({r['status']})" for r in rows if r["step"] is None})
             if failed:
                 ax.text(0.02, 0.98, "did not run: " + ", ".join(failed), transform=ax.transAxes, fontsize=6.5,

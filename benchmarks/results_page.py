@@ -510,6 +510,10 @@ def model_against_control(entries: list[dict], plots: list) -> list[str]:
                        f(r["step"], ".3f") if r["status"] == "ok" else {"oom": "out of memory"}.get(r["status"], r["status"]),
                        f(r["allocated"], ".3f"), f(r["reserved"], ".3f"), "FP8-packed" if r["lossy"] else "exact",
                        f(r["allocator"]), f(r["loss_diff"], "+.4f")] for r in rows])
+        for memory in ("allocated", "reserved"):
+            note = pf.solver_note_against_control(rows, memory)
+            if note:
+                out += [f"Peak {memory}, default allocator: " + "; ".join(note) + ".", ""]
     out += [f"![every whole-model row against its control](results/{name})", "",
             "Plot: `python3 benchmarks/plot_frontier.py --against-control "
             + " ".join(f"benchmarks/results/{n}" for n in sorted({r["file"] for rows in groups.values() for r in rows}))

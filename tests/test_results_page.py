@@ -202,3 +202,34 @@ def test_the_whole_model_summary_puts_each_row_against_its_own_file_s_control():
     assert [n for n, _ in plots] == ["model_against_control_h200.png"]
     assert "--against-control benchmarks/results/a.json benchmarks/results/b.json --out" in text
     assert page.model_against_control([], []) == []  # no model file: no section
+
+
+def test_the_whole_model_summary_says_where_pytorch_s_solver_stops():
+    """Per shape and kind of peak: the lowest peak PyTorch's budget solver reached and the lowest of sacpass's plans,
+    as shares of control's, counting only the default allocator's rows (those the plot draws); a solver that never
+    gets down to control's peak is said to, one that does is not; no solver row, no sentence."""
+    page = _module()
+    pf = page._pf()
+
+    def row(step, alloc, reserved, **kw):
+        return {"step_ms_median": step, "peak_allocated_gib": alloc, "peak_reserved_gib": reserved, "loss": 2.0, **kw}
+
+    expandable = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 benchmarks/bench_model.py"
+    wide = {"args": {"layers": 4, "seq": 2048}, "meta": {"command": "python3 benchmarks/bench_model.py"},
+            "variants": {"control": row(1000.0, 10.0, 20.0), "pytorch_budget:0.1": row(980.0, 12.0, 26.0),
+                         "pytorch_budget:0.05": row(990.0, 10.5, 19.0), "model_plan_fp8:16@5": row(900.0, 9.0, 21.0),
+                         "model_plan:0": row(950.0, 8.0, 16.0, command=expandable)}}
+    long = {"args": {"layers": 2, "seq": 4096}, "meta": {"command": "python3 benchmarks/bench_model.py"},
+            "variants": {"control": row(1000.0, 10.0, 20.0), "model_plan:8": row(900.0, 9.0, 18.0)}}
+    entries = [{"name": n, "meta": {"kind": "model"}, "data": d} for n, d in (("a.json", wide), ("b.json", long))]
+    text = "\n".join(page.model_against_control(entries, []))
+    notes = [ln for ln in text.splitlines() if ln.startswith("Peak ")]
+    assert notes == [
+        "Peak allocated, default allocator: PyTorch's solver: lowest peak 1.050 of control's (never down to "
+        "control's); sacpass plans: lowest peak 0.900 of control's.",
+        "Peak reserved, default allocator: PyTorch's solver: lowest peak 0.950 of control's; sacpass plans: lowest "
+        "peak 1.050 of control's."], notes
+    assert pf.solver_note({"control": (77.4, 13.5), "pytorch_budget:0.05": (79.9, 13.4), "model_plan:8": (78.9, 12.7),
+                           "sacpass": (70.0, 13.2)}) == [
+        "PyTorch's solver: lowest peak 79.9 GiB (never down to control's)", "sacpass plans: lowest peak 78.9 GiB"]
+    assert pf.solver_note({"control": (77.4, 13.5), "model_plan:8": (78.9, 12.7)}) == []
