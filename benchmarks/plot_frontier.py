@@ -161,7 +161,8 @@ def draw_against_control(groups: dict[tuple[int, int], list[dict]], path: str,
     """Two panels per model shape (peak allocated, peak reserved): each row as (its peak / control's, its step /
     control's), exact variants as dots and FP8-packed (lossy) ones as triangles; the default allocator's rows
     only. Lower left of the dashed lines: faster than full recompute at less memory. Rows that did not run are
-    named in the panel, and where PyTorch's solver stops beside the lowest plan (:func:`solver_note`). Same bytes for the same input and matplotlib."""
+    named in the panel, and where PyTorch's solver stops beside the lowest plan (:func:`solver_note`). Same
+    bytes for the same input and matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
