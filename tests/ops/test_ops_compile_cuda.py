@@ -70,7 +70,7 @@ import json, sys, warnings
 sys.modules["tilelang"] = None  # as if TileLang were not installed
 import torch
 import glm52_model.ops
-sys.path[:0] = ["tests", "tests/gpu"]
+sys.path[:0] = ["tests", "tests/ops"]
 from test_ops_compile_cuda import _inputs
 qi, ki, w, starts, ends, q, kv, topk = _inputs()
 with warnings.catch_warnings(record=True) as rec:
