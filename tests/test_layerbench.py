@@ -1,5 +1,5 @@
-"""The layer benchmark's harness (benchmarks/layerbench): kernel settings a variant pins hold for its whole
-step, backward included, and ``--experts`` maps to the config override."""
+"""The layer benchmark's harness (benchmarks/layerbench): a step runs the variant's forward and backward and
+returns the loss, and ``--experts`` maps to the config override."""
 import os
 import sys
 
@@ -10,21 +10,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from layerbench import variants as lv  # noqa: E402
 from layerbench.measure import step  # noqa: E402
 
-KERNEL_CHOICE = "default"            # patched by the variant below; read by the backward
 
-
-class _ReadsChoice(torch.autograd.Function):
-    """Identity; records KERNEL_CHOICE as the forward and the backward each see it."""
+class _Records(torch.autograd.Function):
+    """Identity; records that the forward and the backward ran."""
     seen: list = []
 
     @staticmethod
     def forward(ctx, x):
-        _ReadsChoice.seen.append(("forward", KERNEL_CHOICE))
+        _Records.seen.append("forward")
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        _ReadsChoice.seen.append(("backward", KERNEL_CHOICE))
+        _Records.seen.append("backward")
         return g
 
 
@@ -34,21 +32,22 @@ class _Tiny(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.ones(4))
 
 
-def test_kernel_settings_hold_in_the_backward_too(monkeypatch):
-    """A kernel constant the CUDA kernels read per call must be patched while the backward runs, which is
-    after the variant's function has returned."""
+def test_step_runs_the_forward_and_the_backward(monkeypatch):
+    """One step of a registered variant: its function's forward, then the backward of the loss, which fills the
+    private layer copy's gradients; the loss is mean(out^2)."""
     def build(layer, backend):
         def fn(x, positions, starts, ends):
-            return _ReadsChoice.apply(x * layer.w), None
-        return lv._with_kernel_settings(lv.Built(fn, None, "test"), [(__name__, "KERNEL_CHOICE", "previous")])
+            return _Records.apply(x * layer.w), None
+        return lv.Built(fn, None, "test")
 
-    monkeypatch.setitem(lv.VARIANTS, "_test_settings", lv.VariantSpec("_test_settings", build, "test"))
-    v = lv.Variant("_test_settings", _Tiny(), dynamic=False)
-    _ReadsChoice.seen.clear()
-    step(v, torch.randn(3, 4), None, None, None)
-    assert _ReadsChoice.seen == [("forward", "previous"), ("backward", "previous")]
-    assert KERNEL_CHOICE == "default", "the setting must not outlive the step"
-    assert v.layer.w.grad is not None
+    monkeypatch.setitem(lv.VARIANTS, "_test_step", lv.VariantSpec("_test_step", build, "test"))
+    v = lv.Variant("_test_step", _Tiny(), dynamic=False)
+    _Records.seen.clear()
+    x = torch.randn(3, 4)
+    loss = step(v, x, None, None, None)
+    assert _Records.seen == ["forward", "backward"]
+    assert torch.equal(loss, x.square().mean())
+    torch.testing.assert_close(v.layer.w.grad, (2 * x.square() / x.numel()).sum(0))
 
 
 def test_experts_option_maps_to_the_config_override():

@@ -6,14 +6,10 @@ function here; the run order, tables and plot pick it up (add it to :data:`RUN_O
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-import importlib
 import types
 from dataclasses import dataclass, field
 from typing import Callable
-from unittest import mock
 
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -55,7 +51,6 @@ class Built:
     backend: object               # what torch.compile was given (a sacpass Backend has .reports)
     label: str                    # the backend as the results name it
     fullgraph: bool = True        # compiled with fullgraph=True
-    settings: tuple = ()          # (module, name, value): kernel constants patched around each whole step
 
 
 @dataclass(frozen=True)
@@ -93,16 +88,6 @@ class Variant:
             built = VARIANTS[name].build(self.layer, backend)
         self.fn, self.backend, self.backend_name, self.fullgraph = (built.fn, built.backend, built.label,
                                                                     built.fullgraph)
-        self.settings = built.settings
-
-    @contextlib.contextmanager
-    def kernel_settings(self):
-        """This variant's kernel constants patched (the CUDA kernels read them at every call), for a whole
-        step: the forward and the backward, whose kernels run after the variant's function has returned."""
-        with contextlib.ExitStack() as stack:
-            for module, name, value in self.settings:
-                stack.enter_context(mock.patch.object(importlib.import_module(module), name, value))
-            yield
 
     def __call__(self, x, positions, starts, ends, topk_ids=None):
         if self.dynamic:
@@ -224,14 +209,9 @@ def _sacpass_no_discrete(layer, backend):
     return _sacpass_variant(layer, backend, "sacpass-no-discrete", save_discrete=False)
 
 
-# ---------------------------------------------------------- kernel and precision choices, side by side
-def _with_kernel_settings(built: Built, settings) -> Built:
-    """``built`` with CUDA kernel module constants ((module, name, value), read by the kernels per call)
-    patched around each step, forward and backward (:meth:`Variant.kernel_settings`), so other kernel
-    choices run beside the defaults in one process."""
-    return dataclasses.replace(built, settings=built.settings + tuple(settings))
-
-
+# ---------------------------------------------------------------------- precision choices, side by side
+# (The layer's CUDA kernels always run the ops' default configs; other kernel configs are timed by
+# benchmarks/bench_kernels.py, which passes them to the launchers.)
 def _precision(layer: DecoderLayer, experts: bool | None = None, indexer: bool | None = None) -> DecoderLayer:
     """Set this private copy's routed experts / indexer logits to FP8 (True) or the compute dtype (False),
     what ``GLM52Config(fp8_experts=..., fp8_indexer=...)`` builds; None keeps the preset's choice. Same
