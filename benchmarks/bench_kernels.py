@@ -13,21 +13,22 @@ pipelined) are also timed without their dkv scatter (an ablation built here from
 fp32 vector atomics into dKV stripped from their TIR), so the scatter's share of the backward is measured.
 Sweeps: --topk-op-seq times the FP8 op beside its OP_SWEEP variants (launch and buffer options, the logits
 kernel's register bound), --logits-sweep the logits kernel alone (LOGITS_SWEEP) and the select alone
-(SELECT_SWEEP: its numeric tunables).
+(SELECT_SWEEP: its numeric tunables). A variant is a config (``dsa_topk_tl.TopkConfig``, ``LogitsConfig``,
+``SelectConfig``, ``sparse_mla_tl.SparseMlaConfig``) passed to the launcher or the compile function it times;
+the sweeps hold each as overrides of the op's defaults (:func:`with_overrides`).
 Routed experts: --experts-seq tokens x top-8 rows over 8 experts of the bench layer (hidden 6144, expert
 width 2048, balanced groups), the SwiGLU's three GEMMs forward and backward through ``glm52::grouped_mm``
 (bf16) and ``glm52::fp8_grouped_mm`` (tile-wise FP8, quantisation included), plus the FP8 GEMMs alone on
 operands quantised beforehand, and a torch.profiler table of the FP8 forward's and backward's kernels. Empty lists (``--topk-seq ""``) skip a section.
 """
 import argparse
-import contextlib
+import dataclasses
 import functools
 import json
 import platform
 import statistics
 import sys
 import time
-from unittest import mock
 
 import torch
 
@@ -122,6 +123,13 @@ def launch_timeline(fn, top=4):
             "largest_gaps": sorted(gaps, reverse=True)[:top]}
 
 
+def with_overrides(config, over: dict):
+    """``config`` (a frozen dataclass) with the fields ``over`` names replaced; a nested config takes a dict of its
+    own overrides. An unknown field raises TypeError."""
+    return dataclasses.replace(config, **{k: with_overrides(getattr(config, k), v) if isinstance(v, dict) else v
+                                          for k, v in over.items()})
+
+
 def topk_inputs(S, H=32, D=128, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(S, H, D, device="cuda", generator=g).bfloat16()
@@ -132,46 +140,39 @@ def topk_inputs(S, H=32, D=128, seed=0):
     return q, k, w, starts, ends
 
 
-def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
-    """The op as the model calls it (chunked logits, then the select), bf16 and FP8 inputs; with ``parts``
-    also its kernels alone and (``reference``) the PyTorch kernel; ``variants``: OP_SWEEP names timed
-    round-robin beside the FP8 op's default."""
+def config_row(config) -> dict:
+    """The row fields that record a top-k op config (``TopkConfig``)."""
+    return {"logits_tunables": dataclasses.asdict(config.logits), "select_tunables": dataclasses.asdict(config.select),
+            "launch_tunables": {"buffers": config.buffers, "select_priority": config.select_priority},
+            "logits_budget_bytes": config.logits_budget_bytes}
+
+
+def bench_topk(S, topk, reps, base, reference=True, parts=True, variants=()):
+    """The op as the model calls it (chunked logits, then the select), bf16 and FP8 inputs, with ``base`` (a
+    ``TopkConfig``, the op's unless --logits-tunables / --select-tunables); with ``parts`` also its kernels alone
+    and (``reference``) the PyTorch kernel; ``variants``: OP_SWEEP names timed round-robin beside ``base``."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
     q, k, w, starts, ends = topk_inputs(S)
     scale = 128 ** -0.5
     q8, k8, w8, ks = quantize_indexer(q, k, w)
-    row = {"S": S, "heads": 32, "dim": 128, "topk": topk, "logits_tunables": tl.LOGITS_TUNABLES,
-           "select_tunables": tl.SELECT_TUNABLES,
-           "launch_tunables": tl.LAUNCH_TUNABLES, "logits_budget_bytes": tl.LOGITS_BUDGET_BYTES}
-    row["tilelang_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale),
-                                      reps=reps)
+    row = {"S": S, "heads": 32, "dim": 128, "topk": topk, **config_row(base)}
+    op = functools.partial(tl.dsa_topk_indices_tl, config=base)
+    row["tilelang_ms"] = cuda_time_ms(lambda: op(q, k, w, starts, ends, topk, scale), reps=reps)
     # FP8 logits (e4m3 q and k, one scale per head row and per key): same op, same select kernel
-    row["fp8_ms"] = cuda_time_ms(lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks),
-                                 reps=reps)
+    row["fp8_ms"] = cuda_time_ms(lambda: op(q8, k8, w8, starts, ends, topk, scale, ks), reps=reps)
     row["fp8_speedup"] = row["tilelang_ms"] / row["fp8_ms"]
-    ids = tl.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale)
-    ids8 = tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
+    ids = op(q, k, w, starts, ends, topk, scale)
+    ids8 = op(q8, k8, w8, starts, ends, topk, scale, ks)
     overlap = id_overlap(ids8, ids)
     row["fp8_id_overlap_mean"] = float(overlap.mean())
     row["fp8_id_overlap_min"] = float(overlap.min())
     # where the FP8 op's time goes: its kernels (logits, select, the padding copies) in one call
-    row["fp8_kernels"] = kernel_profile(
-        lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks), top=6)
+    row["fp8_kernels"] = kernel_profile(lambda: op(q8, k8, w8, starts, ends, topk, scale, ks), top=6)
     # the FP8 op's variants (OP_SWEEP), round-robin (interleaved_ms), with the op's default among them
     if variants:
         def variant(name):
-            over = OP_SWEEP.get(name, {})
-            patches = (mock.patch.object(tl, "LAUNCH_TUNABLES", tl.LAUNCH_TUNABLES | over.get("launch", {})),
-                       mock.patch.object(tl, "LOGITS_BUDGET_BYTES", over.get("budget") or tl.LOGITS_BUDGET_BYTES),
-                       mock.patch.object(tl, "LOGITS_TUNABLES", tl.LOGITS_TUNABLES | over.get("logits", {})),
-                       mock.patch.object(tl, "SELECT_TUNABLES", tl.SELECT_TUNABLES | over.get("select", {})))
-
-            def call():
-                with contextlib.ExitStack() as stack:
-                    for patch in patches:
-                        stack.enter_context(patch)
-                    return tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
-            return call
+            config = with_overrides(base, OP_SWEEP.get(name, {}))
+            return lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks, config=config)
         calls = {name: variant(name) for name in ["default"] + [n for n in variants if n != "default"]}
         row["fp8_variants_rounds_ms"] = {}
         row["fp8_variants_ms"] = interleaved_ms(calls, reps=reps, rounds=row["fp8_variants_rounds_ms"])
@@ -193,8 +194,8 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
         return row, ids
     # split: logits kernel alone (one chunk covers S here), then the select on its logits
     H, D = 32, 128
-    lk = tl.logits_kernel(H, D, torch.bfloat16, tl.cuda_target()["arch"])
-    sk = tl.select_kernel(topk, tl.cuda_target()["arch"])
+    lk = tl.logits_kernel(H, D, torch.bfloat16, tl.cuda_target()["arch"], base.logits)
+    sk = tl.select_kernel(topk, tl.cuda_target()["arch"], base.select)
     logits = torch.empty(S, S, dtype=torch.float32, device="cuda")
     wq = (w * scale).contiguous()
     ones = torch.ones(S, dtype=torch.float32, device="cuda")
@@ -210,41 +211,42 @@ def bench_topk(S, topk, reps, reference=True, parts=True, variants=()):
         ref = _dsa_topk_kernel(q, k, w, starts, ends, topk, scale)
         same = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).all(1)
         row["rows_with_identical_id_set"] = float(same.float().mean())
-    row["fp8_with_quantisation_ms"] = cuda_time_ms(lambda: _fp8_call(tl, q, k, w, starts, ends, topk, scale),
+    row["fp8_with_quantisation_ms"] = cuda_time_ms(lambda: _fp8_call(op, q, k, w, starts, ends, topk, scale),
                                                    reps=reps)
-    lk8 = tl.logits_kernel(H, D, torch.float8_e4m3fn, tl.cuda_target()["arch"])
+    lk8 = tl.logits_kernel(H, D, torch.float8_e4m3fn, tl.cuda_target()["arch"], base.logits)
     row["fp8_logits_kernel_ms"] = cuda_time_ms(lambda: lk8(q8.view(S * H, D), k8, ks, w8 * scale, starts, ends,
                                                            logits), reps=reps)
     del logits
     return row, ids
 
 
-# The logits kernel's register bound timed side by side (--logits-sweep): name -> LOGITS_TUNABLES overrides
+# The logits kernel's register bound timed side by side (--logits-sweep): name -> LogitsConfig overrides
 LOGITS_SWEEP = {
-    "default": {},                                    # LOGITS_TUNABLES as they are
+    "default": {},                                    # the run's LogitsConfig as it is
     "min3": {"min_blocks": 3},                        # registers for 3 CTAs per SM
     "min5": {"min_blocks": 5},                        # <= 96 registers (the op's min_blocks=4: <= 128)
     "regs_free": {"min_blocks": 1},                   # registers unbounded
 }
 
 
-# The FP8 op's variants timed round-robin beside its default (--op-configs): name -> overrides of LAUNCH_TUNABLES
-# ("launch"), LOGITS_BUDGET_BYTES ("budget"), LOGITS_TUNABLES ("logits")
+# The FP8 op's variants timed round-robin beside its default (--op-configs): name -> TopkConfig overrides
 OP_SWEEP = {
-    "overlap": {"launch": {"buffers": 2}},                   # the select beside the next chunk's logits, 2 buffers
-    "overlap_high": {"launch": {"buffers": 2, "select_priority": -1}},   # ... its CTAs dispatched first
-    "overlap_1g": {"launch": {"buffers": 2}, "budget": 1 << 30},          # ... two 1 GiB buffers
-    "serial_4g": {"budget": 4 << 30},                        # one full-width 4 GiB buffer: half the launches
+    "overlap": {"buffers": 2},                               # the select beside the next chunk's logits, 2 buffers
+    "overlap_high": {"buffers": 2, "select_priority": -1},   # ... its CTAs dispatched first
+    "overlap_1g": {"buffers": 2, "logits_budget_bytes": 1 << 30},   # ... two 1 GiB buffers
+    "serial_4g": {"logits_budget_bytes": 4 << 30},           # one full-width 4 GiB buffer: half the launches
     "l3": {"logits": {"min_blocks": 3}},                     # the logits kernel's registers for 3 CTAs per SM
 }
 
 
-def sweep_logits(S, reps, names=None, select_names=None):
-    """The logits kernel alone, bf16 and FP8, for each LOGITS_SWEEP entry: ms, TFLOP/s (causal: S^2/2 pairs
-    x 32 heads x 128 x 2), and the largest difference from the default's logits relative to the row scale
-    (0: the register bound changes no arithmetic); then the select alone on the default bf16 logits for each
-    SELECT_SWEEP entry, with the rows whose id set is the op's select's."""
+def sweep_logits(S, reps, base, names=None, select_names=None):
+    """The logits kernel alone, bf16 and FP8, for each LOGITS_SWEEP entry (overrides of ``base.logits``): ms,
+    TFLOP/s (causal: S^2/2 pairs x 32 heads x 128 x 2), and the largest difference from the default's logits
+    relative to the row scale (0: the register bound changes no arithmetic); then the select alone on the default
+    bf16 logits for each SELECT_SWEEP entry (overrides of ``base.select``), with the rows whose id set is
+    ``base.select``'s."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
+    from glm52_model.ops.cuda import topk_select_tl
     H, D = 32, 128
     q, k, w, starts, ends = topk_inputs(S)
     scale = 128 ** -0.5
@@ -254,7 +256,6 @@ def sweep_logits(S, reps, names=None, select_names=None):
               "fp8": (q8.view(S * H, D), k8, ks.float(), (w8.float() * scale).contiguous())}
     flop = S * S / 2 * H * D * 2
     arch = tl.cuda_target()["arch"]
-    base = {"block_Q": 4} | tl.LOGITS_TUNABLES
     want = {dt: torch.empty(S, S, dtype=torch.float32, device="cuda") for dt in inputs}
     got = torch.empty(S, S, dtype=torch.float32, device="cuda")
     rows = []
@@ -265,7 +266,7 @@ def sweep_logits(S, reps, names=None, select_names=None):
             row = {"S": S, "config": name, "dtype": dt, **over}
             try:
                 t0 = time.time()
-                lk = tl.compile_indexer_logits(H, D, arch, qq.dtype, **(base | over))
+                lk = tl.compile_indexer_logits(H, D, arch, qq.dtype, with_overrides(base.logits, over))
                 row["compile_s"] = round(time.time() - t0, 1)
                 out = want[dt] if name == "default" else got
                 lk(qq, kk, kss, ww, starts, ends, out)
@@ -285,15 +286,15 @@ def sweep_logits(S, reps, names=None, select_names=None):
     topk = 2048
     ref_ids = torch.empty(S, topk, dtype=torch.int32, device="cuda")
     ids = torch.empty_like(ref_ids)
-    tl.select_kernel(topk, arch)(want["bf16"], starts, ends, ref_ids)
+    tl.select_kernel(topk, arch, base.select)(want["bf16"], starts, ends, ref_ids)
     ref_sorted = torch.sort(ref_ids, 1).values
     for name, over in SELECT_SWEEP.items():
         if select_names is not None and name not in select_names:
             continue
-        tun = tl.SELECT_TUNABLES | over
-        row = {"S": S, "config": f"select_{name}", **tun}
+        tun = with_overrides(base.select, over)
+        row = {"S": S, "config": f"select_{name}", **dataclasses.asdict(tun)}
         try:
-            sk = tl.compile_topk_select(topk, arch, **tun)
+            sk = topk_select_tl.compile_topk_select(topk, arch, tun)
             row["ms"] = cuda_time_ms(lambda: sk(want["bf16"], starts, ends, ids), reps=reps)
             row["same_set_rows"] = float((torch.sort(ids, 1).values == ref_sorted).all(1).float().mean())
         except Exception as e:
@@ -304,7 +305,7 @@ def sweep_logits(S, reps, names=None, select_names=None):
     return rows
 
 
-# The select's numeric tunables timed side by side (--logits-sweep): name -> overrides of the op's SELECT_TUNABLES
+# The select's numeric tunables timed side by side (--logits-sweep): name -> SelectConfig overrides
 SELECT_SWEEP = {
     "default": {},
     "sort16": {"sort_elems": 16},                               # 16 pairs a thread: 128 sorting threads
@@ -324,37 +325,33 @@ SELECT_SWEEP = {
 def _build_one(job):
     """Compile (not run) one top-k kernel into TileLang's disk cache; a worker of :func:`precompile`."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
-    kind, args, tunables = job
+    from glm52_model.ops.cuda import topk_select_tl
+    kind, args, config = job
     t0 = time.time()
     try:
         if kind == "logits":
-            tl.compile_indexer_logits(*args, **tunables)
+            tl.compile_indexer_logits(*args, config)
         else:
-            tl.compile_topk_select(*args, **tunables)
-        return kind, tunables, round(time.time() - t0, 1), ""
+            topk_select_tl.compile_topk_select(*args, config)
+        return kind, dataclasses.asdict(config), round(time.time() - t0, 1), ""
     except Exception as e:                                          # reported by the timing run that needs it
-        return kind, tunables, round(time.time() - t0, 1), f"{type(e).__name__}"
+        return kind, dataclasses.asdict(config), round(time.time() - t0, 1), f"{type(e).__name__}"
 
 
-def precompile(workers, topk, logits_names=None, arch="sm_90a", selects=(), select_names=None, op_names=()):
-    """Build every top-k kernel a run may time (the op's, the sweeps', the FP8 op's ``op_names`` variants (OP_SWEEP),
-    and ``selects``: more select tunables)
-    in ``workers`` processes at once: a fresh machine compiles each in ~20 s, one at a time in the timing
-    process. Later compiles of the same kernels load from TileLang's disk cache."""
+def precompile(workers, topk, base, logits_names=None, arch="sm_90a", select_names=None, op_names=()):
+    """Build every top-k kernel a run may time (``base``'s, the sweeps', the FP8 op's ``op_names`` variants
+    (OP_SWEEP)) in ``workers`` processes at once: a fresh machine compiles each in ~20 s, one at a time in the
+    timing process. Later compiles of the same kernels load from TileLang's disk cache."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    from glm52_model.ops.cuda import dsa_topk_tl as tl
-    base = {"block_Q": 4} | tl.LOGITS_TUNABLES
-    jobs = [("logits", (32, 128, arch, dt), base | over) for name, over in LOGITS_SWEEP.items()
+    ops = [with_overrides(base, OP_SWEEP[name]) for name in op_names if name in OP_SWEEP]
+    jobs = [("logits", (32, 128, arch, dt), with_overrides(base.logits, over)) for name, over in LOGITS_SWEEP.items()
             if not logits_names or name in logits_names for dt in (torch.bfloat16, torch.float8_e4m3fn)]
-    jobs += [("logits", (32, 128, arch, torch.float8_e4m3fn), base | OP_SWEEP[name]["logits"])
-             for name in op_names if "logits" in OP_SWEEP.get(name, {})]
-    selects = list(selects) + [tl.SELECT_TUNABLES | OP_SWEEP[name]["select"]
-                               for name in op_names if "select" in OP_SWEEP.get(name, {})]
-    selects = [tl.SELECT_TUNABLES | over for name, over in SELECT_SWEEP.items()
-               if select_names is None or name in select_names] + list(selects)
-    selects += [tl.SELECT_TUNABLES]
-    jobs += [("select", (topk, arch), t) for t in selects]
+    jobs += [("logits", (32, 128, arch, torch.float8_e4m3fn), op.logits) for op in ops]
+    selects = [with_overrides(base.select, over) for name, over in SELECT_SWEEP.items()
+               if select_names is None or name in select_names]
+    selects += [op.select for op in ops] + [base.select]
+    jobs += [("select", (topk, arch), config) for config in selects]
     t0 = time.time()
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
         done = list(ex.map(_build_one, jobs))
@@ -371,12 +368,13 @@ def fp8_inputs(S):
     return q8, k8, w8, ks, starts, ends, (w8.float() * 128 ** -0.5).contiguous()
 
 
-def host_time(S, topk, calls=4):
-    """The FP8 op's host side at S: per call, ms until it returns (every launch queued) and until the GPU is done,
-    each call from an idle GPU; and the ms of a TileLang launch of each kernel on 64 rows (the GPU idle)."""
+def host_time(S, topk, base, calls=4):
+    """The FP8 op's host side at S (``base``: a TopkConfig): per call, ms until it returns (every launch queued)
+    and until the GPU is done, each call from an idle GPU; and the ms of a TileLang launch of each kernel on 64 rows
+    (the GPU idle)."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
     q8, k8, w8, ks, starts, ends, wq = fp8_inputs(S)
-    op = lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, 128 ** -0.5, ks)     # noqa: E731
+    op = lambda: tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, 128 ** -0.5, ks, config=base)  # noqa: E731
     op()
     row = {"S": S, "returns_ms": [], "done_ms": []}
     for _ in range(calls):
@@ -388,7 +386,7 @@ def host_time(S, topk, calls=4):
         row["returns_ms"].append(round(1e3 * (t1 - t0), 3))
         row["done_ms"].append(round(1e3 * (time.perf_counter() - t0), 3))
     arch = tl.cuda_target()["arch"]
-    lk, sk = tl.logits_kernel(32, 128, q8.dtype, arch), tl.select_kernel(topk, arch)
+    lk, sk = tl.logits_kernel(32, 128, q8.dtype, arch, base.logits), tl.select_kernel(topk, arch, base.select)
     buf = torch.empty(64, S, dtype=torch.float32, device="cuda")
     out = torch.empty(64, topk, dtype=torch.int32, device="cuda")
     launches = {"logits": lambda: lk(q8[:64].reshape(64 * 32, 128), k8, ks, wq[:64], starts[:64], ends[:64], buf),
@@ -404,22 +402,22 @@ def host_time(S, topk, calls=4):
     return row
 
 
-def logits_once(S, names):
-    """One launch of the FP8 logits kernel at S for each LOGITS_SWEEP name (for a profiler: ncu --kernel-name
-    indexer_logits_kernel python3 benchmarks/bench_kernels.py --logits-once S:name,...)."""
+def logits_once(S, names, base):
+    """One launch of the FP8 logits kernel at S for each LOGITS_SWEEP name (overrides of ``base.logits``; for a
+    profiler: ncu --kernel-name indexer_logits_kernel python3 benchmarks/bench_kernels.py --logits-once S:name,...)."""
     from glm52_model.ops.cuda import dsa_topk_tl as tl
     q8, k8, _, ks, starts, ends, wq = fp8_inputs(S)
     out = torch.empty(S, S, dtype=torch.float32, device="cuda")
     for name in names:
         lk = tl.compile_indexer_logits(32, 128, tl.cuda_target()["arch"], torch.float8_e4m3fn,
-                                       **({"block_Q": 4} | tl.LOGITS_TUNABLES | LOGITS_SWEEP[name]))
+                                       with_overrides(base.logits, LOGITS_SWEEP[name]))
         lk(q8.view(S * 32, 128), k8, ks, wq, starts, ends, out)
         torch.cuda.synchronize()
 
 
-def _fp8_call(tl, q, k, w, starts, ends, topk, scale):
+def _fp8_call(op, q, k, w, starts, ends, topk, scale):
     q8, k8, w8, ks = quantize_indexer(q, k, w)
-    return tl.dsa_topk_indices_tl(q8, k8, w8, starts, ends, topk, scale, ks)
+    return op(q8, k8, w8, starts, ends, topk, scale, ks)
 
 
 _DKV_ATOMICS = ("tl.atomic_addx4_elem_op", "tl.atomic_addx2_elem_op")   # the serial / pipelined scatter
@@ -440,53 +438,64 @@ def without_dkv_scatter(prim_func):
     return prim_func.with_body(stmt_functor.ir_transform(prim_func.body, None, drop_atomics, ["tirx.Evaluate"]))
 
 
-def _without_dkv_scatter_kernel(build, pass_configs, heads, topk, sm_scale, target_arch, tunables):
+def _without_dkv_scatter_kernel(build, pass_configs, heads, topk, sm_scale, target_arch, dim_qk, dim_v, config):
     import tilelang
 
-    kernel = tilelang.compile(without_dkv_scatter(build(heads, topk, sm_scale, **tunables)),
+    kernel = tilelang.compile(without_dkv_scatter(build(heads, topk, sm_scale, dim_qk=dim_qk, dim_v=dim_v,
+                                                        config=config)),
                               target={"kind": "cuda", "arch": target_arch}, pass_configs=pass_configs)
     assert "AtomicAdd" not in kernel.get_kernel_source(), "the dkv scatter is still in the ablation kernel"
     return kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_bwd_without_dkv_scatter(heads, topk, sm_scale, target_arch="sm_90a", **tunables):
-    """Stands in for ``sparse_mla_tl.compile_sparse_mla_bwd`` (same signature) while the ablation is timed."""
+def compile_bwd_without_dkv_scatter(heads, topk, sm_scale, target_arch, dim_qk, dim_v, config):
+    """Stands in for ``sparse_mla_tl.compile_sparse_mla_bwd`` (same signature; ``sparse_mla_bwd_tl``'s
+    ``compile_kernel``) while the ablation is timed."""
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     return _without_dkv_scatter_kernel(tl.build_sparse_mla_bwd, tl.BWD_PASS_CONFIGS, heads, topk, sm_scale,
-                                       target_arch, tunables)
+                                       target_arch, dim_qk, dim_v, config)
 
 
 @functools.lru_cache(maxsize=None)
-def compile_bwd_ws_without_dkv_scatter(heads, topk, sm_scale, target_arch="sm_90a", **tunables):
+def compile_bwd_ws_without_dkv_scatter(heads, topk, sm_scale, target_arch, dim_qk, dim_v, config):
     """Stands in for ``sparse_mla_tl.compile_sparse_mla_bwd_ws`` (same signature) while the ablation is timed."""
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     return _without_dkv_scatter_kernel(tl.build_sparse_mla_bwd_ws, tl.FWD_PASS_CONFIGS, heads, topk, sm_scale,
-                                       target_arch, tunables)
+                                       target_arch, dim_qk, dim_v, config)
 
 
 def bench_mla(S, H, idx, reps, with_reference):
+    """Sparse MLA at H heads with the ops' kernels (``SparseMlaConfig()``), then beside them: the backward's delta
+    by the TileLang row-dot kernel (``row_dot_tl``), the serial backward and (64 heads) the warp-specialised
+    forward and backward each way, the backwards without their dkv scatter, and the pipelined backward's other
+    piece width."""
     from glm52_model.ops.cuda import sparse_mla_tl as tl
+    from row_dot_tl import row_dot_tl
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(S, H, 576, device="cuda", generator=g).bfloat16()
     kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
     scale = 576 ** -0.5
     topk = idx.shape[1]
     fwd_flop, bwd_flop = tl.sparse_mla_flops(S, H, topk)
+    ops = tl.SparseMlaConfig()
     row = {"S": S, "heads": H, "topk": topk, "valid_slot_fraction": float((idx >= 0).float().mean())}
     out, lse = tl.sparse_mla_tl(q, kv, idx, scale, 512)
     dout = torch.randn_like(out)
+
+    def bwd(config=ops, compile_kernel=None):
+        return lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512, config, compile_kernel)
     row["fwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
-    row["bwd_ms"] = cuda_time_ms(lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-    row["bwd_kernel"] = "pipelined" if tl.BWD_KERNEL == "pipelined" and tl.padded_heads(H) == 64 else "serial"
-    row["delta_kernel"] = tl.DELTA_KERNEL
-    deltas = {}
-    for kernel in ("pytorch", "tilelang"):  # the backward's delta = rowsum(out * dout), each way (DELTA_KERNEL)
-        with mock.patch.object(tl, "DELTA_KERNEL", kernel):
-            deltas[kernel] = tl._row_dot(out, dout)
-            row[f"delta_{kernel}_ms"] = cuda_time_ms(lambda: tl._row_dot(out, dout), reps=reps)
-    row["delta_tilelang_max_abs_diff"] = float((deltas["tilelang"] - deltas["pytorch"]).abs().max())
-    del deltas
+    row["bwd_ms"] = cuda_time_ms(bwd(), reps=reps)
+    ws_bwd = tl.bwd_kernel_choice(tl.padded_heads(H), 512, ops)[0] is tl.compile_sparse_mla_bwd_ws
+    row["bwd_kernel"] = "pipelined" if ws_bwd else "serial"
+    row["delta_kernel"] = "pytorch"
+    # the backward's delta = rowsum(out * dout): the op's PyTorch form beside the TileLang kernel
+    deltas = {"pytorch": lambda: tl.row_dot(out, dout, ops.delta_chunk_bytes),
+              "tilelang": lambda: row_dot_tl(out, dout)}
+    for kernel, fn in deltas.items():
+        row[f"delta_{kernel}_ms"] = cuda_time_ms(fn, reps=reps)
+    row["delta_tilelang_max_abs_diff"] = float((deltas["tilelang"]() - deltas["pytorch"]()).abs().max())
     row["fwd_tflops"] = fwd_flop / row["fwd_ms"] / 1e9
     row["bwd_tflops"] = bwd_flop / row["bwd_ms"] / 1e9
     if with_reference:
@@ -499,51 +508,50 @@ def bench_mla(S, H, idx, reps, with_reference):
     # and the serial backward without those atomics (an ablation built from its TIR)
     gathered = S * topk * 576 * 2
     row["fwd_gather_tb_per_s"] = gathered / row["fwd_ms"] / 1e9
-    with mock.patch.object(tl, "BWD_KERNEL", "serial"):
-        row["bwd_serial_ms"] = cuda_time_ms(
-            lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-        with mock.patch.object(tl, "compile_sparse_mla_bwd", compile_bwd_without_dkv_scatter):
-            row["bwd_serial_no_dkv_scatter_ms"] = cuda_time_ms(
-                lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
+    serial = dataclasses.replace(ops, pipelined_bwd=False)
+    row["bwd_serial_ms"] = cuda_time_ms(bwd(serial), reps=reps)
+    row["bwd_serial_no_dkv_scatter_ms"] = cuda_time_ms(bwd(serial, compile_bwd_without_dkv_scatter), reps=reps)
     row["bwd_serial_tflops"] = bwd_flop / row["bwd_serial_ms"] / 1e9
     row["bwd_serial_dkv_scatter_share"] = 1 - row["bwd_serial_no_dkv_scatter_ms"] / row["bwd_serial_ms"]
     spent = row["bwd_serial_ms"] - row["bwd_serial_no_dkv_scatter_ms"]
     row["bwd_serial_dkv_atomic_tb_per_s"] = S * topk * 576 * 4 / spent / 1e9 if spent > 0 else None
-    if tl.padded_heads(H) == 64:  # the warp-specialised forward beside the one FWD_KERNEL picks
-        with mock.patch.object(tl, "FWD_KERNEL", "pipelined"):
-            out_p, _ = tl.sparse_mla_tl(q, kv, idx, scale, 512)
-            row["fwd_pipelined_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512), reps=reps)
-        row["fwd_pipelined_tflops"] = fwd_flop / row["fwd_pipelined_ms"] / 1e9
-        row["fwd_pipelined_max_abs_diff"] = float((out_p.float() - out.float()).abs().max())
-        # the warp-specialised backward beside the serial one; a failure is recorded in the row instead
-        # of aborting the benchmark
-        try:
-            with mock.patch.object(tl, "BWD_KERNEL", "serial"):
-                dq_s, dkv_s = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
-            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"):
-                dq_p, dkv_p = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512)
-                row["bwd_pipelined_ms"] = cuda_time_ms(
-                    lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-            row["bwd_pipelined_tflops"] = bwd_flop / row["bwd_pipelined_ms"] / 1e9
-            row["bwd_pipelined_chunk"] = tl.BWD_WS_CHUNK
-            row["bwd_pipelined_dq_max_abs_diff"] = float((dq_p.float() - dq_s.float()).abs().max())
-            row["bwd_pipelined_dkv_max_abs_diff"] = float((dkv_p.float() - dkv_s.float()).abs().max())
-            row["bwd_pipelined_dq_max_abs_serial"] = float(dq_s.float().abs().max())
-            row["bwd_pipelined_dkv_max_abs_serial"] = float(dkv_s.float().abs().max())
-            del dq_p, dkv_p
-            # ablation: the pipelined backward without its dkv atomics (dkv is then wrong)
-            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), \
-                    mock.patch.object(tl, "compile_sparse_mla_bwd_ws", compile_bwd_ws_without_dkv_scatter):
-                row["bwd_pipelined_no_dkv_scatter_ms"] = cuda_time_ms(
-                    lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-            # tuning: the other piece width of Q / dO / KV (64 columns: fewer register spills, more GEMM
-            # waits; 128: the reverse)
-            other = 128 if tl.BWD_WS_CHUNK == 64 else 64
-            with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), mock.patch.object(tl, "BWD_WS_CHUNK", other):
-                row[f"bwd_pipelined_chunk{other}_ms"] = cuda_time_ms(
-                    lambda: tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512), reps=reps)
-        except Exception as e:  # noqa: BLE001
-            row["bwd_pipelined_error"] = f"{type(e).__name__}: {e}"[:500]
+    if tl.padded_heads(H) == 64:
+        row.update(_bench_mla_pipelined(tl, q, kv, idx, out, lse, bwd, serial, fwd_flop, bwd_flop, reps))
+    return row
+
+
+def _bench_mla_pipelined(tl, q, kv, idx, out, lse, bwd, serial, fwd_flop, bwd_flop, reps):
+    """At 64 heads: the warp-specialised forward (its output against the serial forward's) and backward (against
+    the serial backward; a failure is recorded in the row instead of aborting the benchmark), the latter without
+    its dkv atomics (dkv is then wrong), and with the other piece width of Q / dO / KV (64 columns: fewer register
+    spills, more GEMM waits; 128: the reverse)."""
+    scale = 576 ** -0.5
+    pipelined = dataclasses.replace(serial, pipelined_fwd=True, pipelined_bwd=True)
+    fwd_serial = dataclasses.replace(serial, pipelined_fwd=False)
+    row = {}
+    out_p, _ = tl.sparse_mla_tl(q, kv, idx, scale, 512, pipelined)
+    out_s, _ = tl.sparse_mla_tl(q, kv, idx, scale, 512, fwd_serial)
+    row["fwd_pipelined_ms"] = cuda_time_ms(lambda: tl.sparse_mla_tl(q, kv, idx, scale, 512, pipelined), reps=reps)
+    row["fwd_pipelined_tflops"] = fwd_flop / row["fwd_pipelined_ms"] / 1e9
+    row["fwd_pipelined_max_abs_diff"] = float((out_p.float() - out_s.float()).abs().max())
+    try:
+        dq_s, dkv_s = bwd(serial)()
+        dq_p, dkv_p = bwd(pipelined)()
+        row["bwd_pipelined_ms"] = cuda_time_ms(bwd(pipelined), reps=reps)
+        row["bwd_pipelined_tflops"] = bwd_flop / row["bwd_pipelined_ms"] / 1e9
+        row["bwd_pipelined_chunk"] = pipelined.bwd_ws.chunk
+        row["bwd_pipelined_dq_max_abs_diff"] = float((dq_p.float() - dq_s.float()).abs().max())
+        row["bwd_pipelined_dkv_max_abs_diff"] = float((dkv_p.float() - dkv_s.float()).abs().max())
+        row["bwd_pipelined_dq_max_abs_serial"] = float(dq_s.float().abs().max())
+        row["bwd_pipelined_dkv_max_abs_serial"] = float(dkv_s.float().abs().max())
+        del dq_p, dkv_p
+        row["bwd_pipelined_no_dkv_scatter_ms"] = cuda_time_ms(bwd(pipelined, compile_bwd_ws_without_dkv_scatter),
+                                                              reps=reps)
+        other = 128 if pipelined.bwd_ws.chunk == 64 else 64
+        other_chunk = with_overrides(pipelined, {"bwd_ws": {"chunk": other}})
+        row[f"bwd_pipelined_chunk{other}_ms"] = cuda_time_ms(bwd(other_chunk), reps=reps)
+    except Exception as e:  # noqa: BLE001
+        row["bwd_pipelined_error"] = f"{type(e).__name__}: {e}"[:500]
     return row
 
 
@@ -586,12 +594,15 @@ def bench_experts(S, reps, E=8, top_k=8, hidden=6144, width=2048):
             for a, b in ((xq, wq), (xq, wq), (hq, woq)):
                 G.fp8_blockwise_mm(a[0][sl], a[1][sl], b[0][e], b[1][e], torch.bfloat16)
     row["fp8_gemms_only_fwd_ms"] = cuda_time_ms(gemms, reps=reps)
-    # uneven groups (no expert's rows a multiple of 128): the forward's tail GEMMs at GEMM_ROWS (16) and 128
+    # uneven groups (no expert's rows a multiple of 128): the forward's tail GEMMs at the op's GEMM_ROWS (16) and 128,
+    # through the kernel the op's CUDA kernel calls, with its TileLang quantisers
     from glm52_model.ops import fp8_grouped_mm as fgm
+    from glm52_model.ops.cuda.fp8_quant_tl import tilelang_quantisers
     uneven = offs - torch.arange(E, 0, -1, device="cuda", dtype=torch.int32) * 37
     row["fp8_fwd_uneven_ms"] = cuda_time_ms(lambda: G.fp8_grouped_mm(x, w_in, uneven), reps=reps)
-    with mock.patch.object(fgm, "GEMM_ROWS", 128):
-        row["fp8_fwd_uneven_gemm_rows_128_ms"] = cuda_time_ms(lambda: G.fp8_grouped_mm(x, w_in, uneven), reps=reps)
+    quant = tilelang_quantisers()
+    row["fp8_fwd_uneven_gemm_rows_128_ms"] = cuda_time_ms(
+        lambda: fgm.fp8_grouped_mm_kernel(x, w_in, uneven, quant, gemm_rows=128), reps=reps)
     row["fp8_fwd_profile"] = kernel_profile(fwd(G.fp8_grouped_mm))
     row["fp8_bwd_profile"] = kernel_profile(bwd(G.fp8_grouped_mm_bwd))
     row["fwd_speedup"] = row["bf16_fwd_ms"] / row["fp8_fwd_ms"]
@@ -619,9 +630,9 @@ def main(argv=None):
     p.add_argument("--select-configs", default=None,
                    help="SELECT_SWEEP names the logits sweep also times (default: all; '' for none)")
     p.add_argument("--logits-tunables", default="",
-                   help="JSON overrides of the op's LOGITS_TUNABLES for this whole run (recorded in the rows)")
+                   help="JSON overrides of the op's LogitsConfig for this whole run (recorded in the rows)")
     p.add_argument("--select-tunables", default="",
-                   help="JSON overrides of the op's SELECT_TUNABLES for this whole run (recorded in the rows)")
+                   help="JSON overrides of the op's SelectConfig for this whole run (recorded in the rows)")
     p.add_argument("--host-seq", default="", help="lengths at which to time the FP8 op's host side (host_time)")
     p.add_argument("--logits-once", default="",
                    help="S:name,name: one FP8 logits launch per LOGITS_SWEEP name at S (for ncu), then exit")
@@ -629,17 +640,14 @@ def main(argv=None):
                    help="first build the top-k kernels the sweeps and the op use in this many processes")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if args.logits_tunables:
-        from glm52_model.ops.cuda import dsa_topk_tl as tl
-        tl.LOGITS_TUNABLES = tl.LOGITS_TUNABLES | json.loads(args.logits_tunables)
-    if args.select_tunables:
-        from glm52_model.ops.cuda import dsa_topk_tl as tl
-        tl.SELECT_TUNABLES = tl.SELECT_TUNABLES | json.loads(args.select_tunables)
     op_names = list(OP_SWEEP) if args.op_configs == "all" else [n for n in args.op_configs.split(",") if n]
     unknown = sorted(set(op_names) - set(OP_SWEEP) - {"default"})
     if unknown:
         sys.exit(f"bench_kernels: --op-configs {','.join(unknown)}: not in OP_SWEEP; "
                  f"choose from {', '.join(OP_SWEEP)} or 'all'")
+    from glm52_model.ops.cuda.dsa_topk_tl import TopkConfig
+    base = with_overrides(TopkConfig(), {"logits": json.loads(args.logits_tunables or "{}"),
+                                         "select": json.loads(args.select_tunables or "{}")})
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
     import tilelang
@@ -649,7 +657,7 @@ def main(argv=None):
     t0 = time.time()
     if args.precompile:
         from glm52_model.ops.cuda.dsa_topk_tl import cuda_target
-        precompile(args.precompile, args.topk, [n for n in args.logits_configs.split(",") if n],
+        precompile(args.precompile, args.topk, base, [n for n in args.logits_configs.split(",") if n],
                    cuda_target()["arch"],
                    select_names=None if args.select_configs is None else args.select_configs.split(","),
                    op_names=op_names if args.topk_op_seq else ())
@@ -659,33 +667,33 @@ def main(argv=None):
         if unknown:
             sys.exit(f"bench_kernels: --logits-once {','.join(unknown)}: not in LOGITS_SWEEP; choose from "
                      f"{', '.join(LOGITS_SWEEP)}")
-        logits_once(int(S), names.split(","))
+        logits_once(int(S), names.split(","), base)
         return result
     ids16 = None
     ints = lambda csv: [int(v) for v in csv.split(",") if v]
-    result["host"] = [host_time(S, args.topk) for S in ints(args.host_seq)]
+    result["host"] = [host_time(S, args.topk, base) for S in ints(args.host_seq)]
     for row in result["host"]:
         print(json.dumps(row), flush=True)
     for S in ints(args.topk_op_seq):
-        row, _ = bench_topk(S, args.topk, args.reps, parts=False, variants=op_names)
+        row, _ = bench_topk(S, args.topk, args.reps, base, parts=False, variants=op_names)
         print(json.dumps(row), flush=True)
         result["topk"].append(row)
     for S in ints(args.logits_sweep):
         selects = None if args.select_configs is None else [n for n in args.select_configs.split(",") if n]
-        result["logits_sweep"] += sweep_logits(S, args.reps, [n for n in args.logits_configs.split(",") if n],
+        result["logits_sweep"] += sweep_logits(S, args.reps, base, [n for n in args.logits_configs.split(",") if n],
                                                selects)
     for S in ints(args.experts_seq):
         row = bench_experts(S, args.reps)
         print(json.dumps(row), flush=True)
         result["experts"].append(row)
     for S in ints(args.topk_seq):
-        row, ids = bench_topk(S, args.topk, args.reps, reference=S <= args.reference_max_seq)
+        row, ids = bench_topk(S, args.topk, args.reps, base, reference=S <= args.reference_max_seq)
         print(json.dumps(row), flush=True)
         result["topk"].append(row)
         if S == args.mla_seq:
             ids16 = ids
     if ids16 is None and ints(args.mla_heads):
-        _, ids16 = bench_topk(args.mla_seq, args.topk, 1, parts=False)
+        _, ids16 = bench_topk(args.mla_seq, args.topk, 1, base, parts=False)
     for H in ints(args.mla_heads):
         row = bench_mla(args.mla_seq, H, ids16, args.reps, args.mla_reference and H == 16)
         print(json.dumps(row), flush=True)

@@ -139,8 +139,7 @@ class GLM52Config:
         """GLM-5.2 widths for ONE MoE decoder layer that computes top-k, 8 experts, no MTP and a 32K
         vocabulary: one H200 holds it (with its logits) at 16K-64K packed tokens. With ``fp8=True`` the
         routed experts join the FP8 recipe too (``fp8_experts`` follows ``fp8`` unless given), as in
-        DeepSeek-V3's FP8 training: at 64K that is 873 ms a step against 1047 with bf16 experts, loss within
-        0.3% (H200, ``benchmarks/results/layer_64k_h200.json``)."""
+        DeepSeek-V3's FP8 training (the step time and loss against bf16 experts: docs/results.md)."""
         base = dict(num_layers=1, first_k_dense=0, mtp_layers=0, num_experts=8, vocab_size=32768,
                     fp8_experts=bool(overrides.get("fp8", False)))
         return cls._preset(base, overrides)

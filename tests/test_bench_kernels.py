@@ -1,6 +1,7 @@
-"""The kernel benchmark's sweeps (benchmarks/bench_kernels.py) name only tunables the op's kernels take, each entry
-times something other than the op's default, and an unknown --op-configs name is refused before any GPU work."""
-import inspect
+"""The kernel benchmark's sweeps (benchmarks/bench_kernels.py) are configs the kernels take: each entry names only
+fields of the config it overrides, times something other than the op's default, and passes the builders' checks;
+an unknown --op-configs name is refused before any GPU work."""
+import dataclasses
 import os
 import sys
 
@@ -17,50 +18,39 @@ def modules():
     return bk, tl
 
 
-def _params(fn):
-    return {n for n, p in inspect.signature(fn).parameters.items() if p.kind == p.KEYWORD_ONLY}
-
-
-def test_sweeps_name_only_the_kernels_tunables(modules):
+def test_overrides_replace_named_fields_and_refuse_unknown_ones(modules):
     bk, tl = modules
-    assert set(tl.LOGITS_TUNABLES) <= _params(tl.build_indexer_logits)
-    assert set(tl.SELECT_TUNABLES) <= _params(tl.build_topk_select)
-    for name, over in bk.LOGITS_SWEEP.items():
-        assert set(over) <= set(tl.LOGITS_TUNABLES), f"LOGITS_SWEEP[{name!r}]: {sorted(set(over) - set(tl.LOGITS_TUNABLES))}"
-    for name, over in bk.SELECT_SWEEP.items():
-        assert set(over) <= set(tl.SELECT_TUNABLES), f"SELECT_SWEEP[{name!r}]: {sorted(set(over) - set(tl.SELECT_TUNABLES))}"
-    for name, over in bk.OP_SWEEP.items():
-        assert set(over) <= {"launch", "budget", "logits", "select"}, name
-        assert set(over.get("launch", {})) <= set(tl.LAUNCH_TUNABLES), name
-        assert set(over.get("logits", {})) <= set(tl.LOGITS_TUNABLES), name
-        assert set(over.get("select", {})) <= set(tl.SELECT_TUNABLES), name
+    config = bk.with_overrides(tl.TopkConfig(), {"buffers": 2, "logits": {"min_blocks": 3}})
+    assert config.buffers == 2 and config.logits.min_blocks == 3
+    assert config.select == tl.TopkConfig().select and config.logits.block_Q == tl.LogitsConfig().block_Q
+    with pytest.raises(TypeError, match="no_such_field"):
+        bk.with_overrides(tl.TopkConfig(), {"logits": {"no_such_field": 1}})
 
 
-def test_sweep_entries_differ_from_the_default(modules):
-    """Every entry but "default" changes something: one that merges into today's tunables unchanged would time
-    the default twice under another name."""
+def test_sweep_entries_are_configs_other_than_the_default(modules):
+    """Every entry builds a config of the kernel it sweeps (an unknown field raises), and every entry but
+    "default" changes something: one equal to the op's default would time the default twice under another name."""
     bk, tl = modules
-    for sweep, today in ((bk.LOGITS_SWEEP, tl.LOGITS_TUNABLES), (bk.SELECT_SWEEP, tl.SELECT_TUNABLES)):
-        assert sweep["default"] == {}
+    for sweep, default in ((bk.LOGITS_SWEEP, tl.LogitsConfig()), (bk.SELECT_SWEEP, tl.SelectConfig()),
+                           (bk.OP_SWEEP, tl.TopkConfig())):
         for name, over in sweep.items():
-            if name != "default":
-                assert today | over != today, f"{name} is the default"
-    for name, over in bk.OP_SWEEP.items():
-        same = (tl.LAUNCH_TUNABLES | over.get("launch", {}) == tl.LAUNCH_TUNABLES
-                and over.get("budget", tl.LOGITS_BUDGET_BYTES) == tl.LOGITS_BUDGET_BYTES
-                and tl.LOGITS_TUNABLES | over.get("logits", {}) == tl.LOGITS_TUNABLES)
-        assert not same, f"OP_SWEEP[{name!r}] is the op's default"
+            config = bk.with_overrides(default, over)
+            assert (config == default) == (name == "default"), f"{name}: {over}"
+    assert bk.LOGITS_SWEEP["default"] == {} and bk.SELECT_SWEEP["default"] == {}
 
 
 def test_select_sweep_entries_pass_the_select_builders_checks(modules):
-    """Each select entry satisfies build_topk_select's constraints (threads dividing 4096, candidates >= 1.25 topk,
-    vec dividing the launcher's padding), which otherwise fail only on the GPU machine, mid-run."""
+    """Each select entry satisfies the select's constraints at the op's top-k (threads dividing 4096, candidates
+    >= 1.25 topk, ...) and the launcher's (vec dividing its key padding), which otherwise fail only on the GPU
+    machine, mid-run."""
     bk, tl = modules
+    from glm52_model.ops.cuda.topk_select_tl import SelectSizes
     for name, over in bk.SELECT_SWEEP.items():
-        t = tl.SELECT_TUNABLES | over
-        assert tl.BLOCK_N % t["vec"] == 0, name
-        assert t["threads"] & (t["threads"] - 1) == 0 and 4096 % t["threads"] == 0, name
-        assert t["candidates"] >= 2048 + 2048 // 4, name
+        config = bk.with_overrides(tl.SelectConfig(), over)
+        SelectSizes.of(2048, config)
+        tl.TopkConfig(select=config)
+    with pytest.raises(AssertionError, match="candidates >= 1.25 topk"):
+        SelectSizes.of(2048, dataclasses.replace(tl.SelectConfig(), candidates=2048))
 
 
 def test_unknown_op_config_is_refused(modules):

@@ -1,8 +1,8 @@
 """Every TileLang kernel lowers and builds for the H200 (sm_90a) on a machine without a GPU.
 
 Needs TileLang (the `cuda` extra) and nvcc; skipped with a message otherwise. Nothing is launched.
-One build per entry of each kernel file's ``ci_builds`` (the kernels the ops dispatch to, and each kernel variant
-a benchmark can switch to), TileLang's disk cache off so that nvcc really runs: 10-15 s each on a 2-core
+One build per entry of each kernel file's ``ci_builds`` (the kernels the ops dispatch to, with their default
+configs), TileLang's disk cache off so that nvcc really runs: 10-15 s each on a 2-core
 machine. The full suite builds them all (at least one per kernel file); the quick run (``-m "not slow"``) builds
 one (:data:`QUICK`). Only the kernels the selected tests read are built (serially, or in a process pool where
 there are >= 3 cores).

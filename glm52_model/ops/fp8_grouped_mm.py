@@ -107,7 +107,7 @@ def _slot_ends(ends: list[int]) -> list[int]:
 # GEMM_ROWS rows, in place, plus one GEMM_ROWS-row GEMM for the rest (its extra rows are the next expert's or
 # zero padding: rows are independent, only the tail's own rows are kept). torch._scaled_mm checks no row count
 # for blockwise scales, but cuBLASLt does: on the H200 (torch 2.11, cu130) row counts that are multiples of 16
-# pass tests/gpu/test_fp8_grouped_mm_cuda.py, and any count (GEMM_ROWS = 1) fails with
+# pass tests/ops/test_fp8_grouped_mm_cuda.py, and any count (GEMM_ROWS = 1) fails with
 # CUBLAS_STATUS_NOT_SUPPORTED in its heuristic query.
 GEMM_ROWS = 16
 
@@ -121,19 +121,22 @@ def _mm_into(out: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) ->
         out.copy_(_mm(a, b, out.dtype))
 
 
-def _expert_gemms(y: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], r0: int, r1: int) -> None:
-    """y[r0:r1] = rows [r0, r1) of a times b: one GEMM over a multiple of GEMM_ROWS rows written in place,
-    then the tail through a GEMM_ROWS-row GEMM (a has GEMM_ROWS - 1 rows past the last expert's)."""
-    body = r0 + (r1 - r0) // GEMM_ROWS * GEMM_ROWS
+def _expert_gemms(y: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], r0: int, r1: int,
+                  gemm_rows: int) -> None:
+    """y[r0:r1] = rows [r0, r1) of a times b: one GEMM over a multiple of gemm_rows rows written in place,
+    then the tail through a gemm_rows-row GEMM (a has gemm_rows - 1 rows past the last expert's)."""
+    body = r0 + (r1 - r0) // gemm_rows * gemm_rows
     if body > r0:
         _mm_into(y[r0:body], (a[0][r0:body], a[1][r0:body]), b)
     if r1 > body:
-        tail = (a[0][body:body + GEMM_ROWS], a[1][body:body + GEMM_ROWS])
+        tail = (a[0][body:body + gemm_rows], a[1][body:body + gemm_rows])
         y[body:r1] = _mm(tail, b, y.dtype)[:r1 - body]
 
 
-def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS) -> Tensor:
-    """y[g] = x[g] @ w[e]: x quantised in its own row order, one blockwise FP8 GEMM per expert on its rows."""
+def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS,
+                          gemm_rows: int = GEMM_ROWS) -> Tensor:
+    """y[g] = x[g] @ w[e]: x quantised in its own row order, one blockwise FP8 GEMM per expert on its rows
+    (``gemm_rows``: see :data:`GEMM_ROWS`, the op's)."""
     _check(x, w, offs)
     R, N = x.shape[0], w.shape[2]
     if R == 0 or w.shape[0] == 0:
@@ -144,12 +147,12 @@ def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers 
     y[end:].zero_()                                                              # rows of no expert
     if end:
         rows = torch.arange(end, device=x.device)
-        xq, xs = quant.rows(x, rows, rows, end + GEMM_ROWS - 1)                  # [end + pad, Kp], zero pad rows
+        xq, xs = quant.rows(x, rows, rows, end + gemm_rows - 1)                  # [end + pad, Kp], zero pad rows
         wq, ws = quant.blocks_t(w)                                               # [E, Np, Kp] blocks of w[e].T
         r0 = 0
         for e, r1 in enumerate(ends):
             if r1 > r0:
-                _expert_gemms(y, (xq, xs), (wq[e], ws[e]), r0, r1)
+                _expert_gemms(y, (xq, xs), (wq[e], ws[e]), r0, r1, gemm_rows)
             r0 = r1
     return y if Np == N else y[:, :N].contiguous()                               # N % 128: the op's [R, N]
 

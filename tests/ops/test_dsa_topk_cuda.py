@@ -4,7 +4,7 @@ The kernel's scores are the same bf16 products summed in fp32 in another order, 
 from the reference's by a few fp32 ulps; IDs must agree except where two candidates' scores are within
 SCORE_TOL of each other at the selection boundary (ties). The tie test counts those differences.
 """
-from unittest import mock
+import dataclasses
 
 import pytest
 import torch
@@ -13,7 +13,9 @@ import glm52_model.ops  # noqa: F401
 from glm52_model.ops.dsa_topk import _dsa_topk_kernel, ref_dsa_scores
 
 tl_ops = pytest.importorskip("glm52_model.ops.cuda.dsa_topk_tl", reason="TileLang not installed")
-from glm52_model.ops.cuda import _common  # noqa: E402
+from glm52_model.ops.cuda import _common, topk_select_tl  # noqa: E402
+from glm52_model.ops.cuda.dsa_topk_tl import LogitsConfig, TopkConfig  # noqa: E402
+from glm52_model.ops.cuda.topk_select_tl import SelectConfig  # noqa: E402
 SCORE_TOL = 1e-4  # relative to the row's score scale
 # The H200's FP8 tensor cores accumulate with about 14 mantissa bits (DeepSeek-V3 report, sec. 3.3.2), so e4m3
 # logits differ from their fp32 math by up to ~2^-14 of each head's sum of |q_d k_d|: near-ties are wider
@@ -146,11 +148,10 @@ def test_topk_all_keys_valid_and_empty_rows():
 
 
 def _chunked_op(q, k, w, starts, ends, topk, scale, ks=None, *, buffers, rows_per_chunk, priority=0):
-    """The op with ``rows_per_chunk`` queries a logits buffer and ``buffers`` buffers (LAUNCH_TUNABLES)."""
+    """The op with ``rows_per_chunk`` queries a logits buffer and ``buffers`` buffers (TopkConfig)."""
     Sp = -(-k.shape[0] // tl_ops.BLOCK_N) * tl_ops.BLOCK_N
-    with mock.patch.object(tl_ops, "LOGITS_BUDGET_BYTES", rows_per_chunk * Sp * 4), \
-            mock.patch.object(tl_ops, "LAUNCH_TUNABLES", {"buffers": buffers, "select_priority": priority}):
-        return tl_ops.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale, ks)
+    config = TopkConfig(logits_budget_bytes=rows_per_chunk * Sp * 4, buffers=buffers, select_priority=priority)
+    return tl_ops.dsa_topk_indices_tl(q, k, w, starts, ends, topk, scale, ks, config=config)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -256,7 +257,7 @@ def test_select_is_a_correct_topk_on_packed_rows(over):
     """The op's select (``over``: its numeric tunables changed) is a correct top-k up to ties on the same logits,
     rows starting and ending off a vector's edge (vec), the 12-bit round's rows; on rows without ties, the exact
     top-k in order."""
-    tunables = tl_ops.SELECT_TUNABLES | over
+    config = dataclasses.replace(SelectConfig(), **over)
     S, H, D, topk = 3000, 32, 128, 2048
     q, k, w, _, ends = _inputs(S, H, D, seed=7)
     bounds = torch.tensor([0, 1001, 1503], device="cuda", dtype=torch.int32)   # documents off a vector edge
@@ -267,7 +268,7 @@ def test_select_is_a_correct_topk_on_packed_rows(over):
     assert bool((starts % 4 != 0).any()) and bool((ends % 4 != 0).any()), "no row starts off a vector edge"
     arch = tl_ops.cuda_target()["arch"]
     got = torch.empty(S, topk, dtype=torch.int32, device="cuda")
-    tl_ops.compile_topk_select(topk, arch, **tunables)(scores, starts, ends, got)
+    topk_select_tl.compile_topk_select(topk, arch, config)(scores, starts, ends, got)
     _check_rows(got, scores, topk, starts, ends)
     want = _exact_topk(scores, starts, ends, topk)
     same = (torch.sort(got, 1).values == torch.sort(want, 1).values).all(1)
@@ -286,7 +287,7 @@ def test_select_falls_back_to_the_row_when_the_bin_overflows():
     R = scores.shape[0]
     starts = torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
     ends = Sk - torch.randint(0, 9, (R,), device="cuda", generator=g, dtype=torch.int32)
-    assert Sk < tl_ops.SAMPLE_MIN_ROW * tl_ops.SELECT_TUNABLES["candidates"]
+    assert Sk < topk_select_tl.SAMPLE_MIN_ROW * SelectConfig().candidates
     got = torch.empty(R, topk, dtype=torch.int32, device="cuda")
     tl_ops.select_kernel(topk, tl_ops.cuda_target()["arch"])(scores, starts, ends, got)
     keys = torch.arange(Sk, device="cuda")
@@ -314,13 +315,12 @@ def _logits_inputs(S, H, dtype, seed=5):
     return qq.view(S * H, 128), kp, ksp, ww, starts, ends, Sp
 
 
-def _run_logits(H, dtype, tunables, inputs):
+def _run_logits(H, dtype, config, inputs):
     qq, kp, ksp, ww, starts, ends, Sp = inputs
     S = starts.shape[0]
     logits = torch.full((S, Sp), float("nan"), device="cuda")
     arch = tl_ops.cuda_target()["arch"]
-    tl_ops.compile_indexer_logits(H, 128, arch, dtype, **({"block_Q": 128 // H} | tunables))(
-        qq, kp, ksp, ww, starts, ends, logits)
+    tl_ops.compile_indexer_logits(H, 128, arch, dtype, config)(qq, kp, ksp, ww, starts, ends, logits)
     return logits
 
 
@@ -330,7 +330,7 @@ def test_logits_kernel_register_bound_writes_the_same_logits(dtype, over):
     """The op's logits kernel with another register bound (``over``) writes the same logits, bit for bit, on
     packed documents whose tiles straddle the ranges: the bound changes no arithmetic."""
     inputs = _logits_inputs(2500, 32, dtype)
-    out = [_run_logits(32, dtype, t, inputs) for t in (tl_ops.LOGITS_TUNABLES, tl_ops.LOGITS_TUNABLES | over)]
+    out = [_run_logits(32, dtype, c, inputs) for c in (LogitsConfig(), dataclasses.replace(LogitsConfig(), **over))]
     assert torch.equal(torch.isnan(out[0]), torch.isnan(out[1])), "the two builds cover different tiles"
     written = ~torch.isnan(out[0])
     assert bool(written[:, :2500].any())
@@ -347,7 +347,7 @@ def test_logits_kernel_matches_the_fp32_math(dtype, H):
     S = 2500
     inputs = _logits_inputs(S, H, dtype, seed=7)
     qq, kp, ksp, ww, starts, ends, Sp = inputs
-    got = _run_logits(H, dtype, tl_ops.LOGITS_TUNABLES, inputs)
+    got = _run_logits(H, dtype, LogitsConfig(), inputs)
     keys = torch.arange(Sp, device="cuda")
     valid = (keys >= starts[:, None]) & (keys < ends[:, None])
     written = ~torch.isnan(got)
@@ -363,7 +363,7 @@ def test_logits_kernel_matches_the_fp32_math(dtype, H):
     assert bool((err <= allowed + 1e-30).all()), f"{epilogue}: max err / allowed {float((err / allowed).max())}"
 
 
-SAMPLED_SELECTS = [                                        # overrides of the op's SELECT_TUNABLES ({}: the op's)
+SAMPLED_SELECTS = [                                        # overrides of the op's SelectConfig ({}: the op's)
     {},
     {"sample": 16, "threads": 256, "min_blocks": 1},
     {"unroll": 1},                                                        # one vector a thread in flight
@@ -396,19 +396,19 @@ def _long_rows(Sk, rows_per_kind, seed=3):
     return scores.masked_fill(~valid, float("-inf")).contiguous(), starts, ends
 
 
-@pytest.mark.parametrize("tunables", SAMPLED_SELECTS,
+@pytest.mark.parametrize("over", SAMPLED_SELECTS,
                          ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()) or "op")
-def test_sampled_select_is_exact_on_long_rows(tunables):
+def test_sampled_select_is_exact_on_long_rows(over):
     """The sampled first round (a bound from every sample-th vector, then one pass keeping the keys above it) is
     a correct top-k up to ties on rows long enough to take it, including rows built to make the bound miss
     (they fall back to the rounds on the row), and the exact top-k in order on rows without ties."""
     Sk, topk = 20480, 2048                                 # >= SAMPLE_MIN_ROW * candidates keys: the sampled round
-    tunables = tl_ops.SELECT_TUNABLES | tunables
-    assert tunables["sample"] and Sk - 16 >= tl_ops.SAMPLE_MIN_ROW * tunables["candidates"]
+    config = dataclasses.replace(SelectConfig(), **over)
+    assert config.sample and Sk - 16 >= topk_select_tl.SAMPLE_MIN_ROW * config.candidates
     scores, starts, ends = _long_rows(Sk, 24)
     arch = tl_ops.cuda_target()["arch"]
     got = torch.empty(scores.shape[0], topk, dtype=torch.int32, device="cuda")
-    tl_ops.compile_topk_select(topk, arch, **tunables)(scores, starts, ends, got)
+    topk_select_tl.compile_topk_select(topk, arch, config)(scores, starts, ends, got)
     _check_rows(got, scores, topk, starts, ends, tol_rel=0.0)
     exact = _exact_topk(scores, starts, ends, topk)
     gaussian = slice(0, 24)                                # distinct scores: one right answer, the same ids in order

@@ -83,13 +83,12 @@ def test_bad_inputs_name_the_op():
 
 
 @pytest.mark.parametrize("gemm_rows", [128, 4, 1])
-def test_forward_rows_in_place_and_tails_exact(gemm_rows, monkeypatch):
-    """The forward's per-expert GEMMs on rows in place (a body of GEMM_ROWS multiples, a padded tail GEMM):
+def test_forward_rows_in_place_and_tails_exact(gemm_rows):
+    """The forward's per-expert GEMMs on rows in place (a body of gemm_rows multiples, a padded tail GEMM):
     uneven groups with an empty expert, 1-row experts, a tail at the last expert and rows of no expert, N not a
     multiple of 128. Integer data with one +-448 per tile and block (scale 1, exact fp32 sums) makes the
     fake-quant reference exact whatever the GEMM shapes, so any misplaced row or wrong tail row shows."""
     from glm52_model.ops import fp8_grouped_mm as fgm
-    monkeypatch.setattr(fgm, "GEMM_ROWS", gemm_rows)
     g = torch.Generator().manual_seed(3)
     R, K, N = 400, 256, 200
     offs = torch.tensor([0, 1, 131, 131, 260, 261, 390], dtype=torch.int32)
@@ -97,7 +96,7 @@ def test_forward_rows_in_place_and_tails_exact(gemm_rows, monkeypatch):
     x[:, ::128] = 448 * (torch.randint(0, 2, (R, K // 128), generator=g) * 2 - 1)
     w = torch.randint(-8, 9, (len(offs), K, N), generator=g).float()
     w[:, ::128, ::128] = 448.0
-    y = OP(x, w, offs)
+    y = fgm.fp8_grouped_mm_kernel(x, w, offs, gemm_rows=gemm_rows)
     ref = ref_fp8_grouped_mm(x, w, offs)
     assert y.shape == (R, N) and torch.equal(y, ref)
     assert torch.equal(y[0], x[0] @ w[1]) and torch.equal(y[260], x[260] @ w[5])   # the 1-row experts

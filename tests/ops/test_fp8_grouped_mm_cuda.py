@@ -51,22 +51,28 @@ def test_cuda_fp8_vs_bf16_grads():
 
 @pytest.mark.parametrize("gemm_rows", [128, 16])
 @pytest.mark.parametrize("K,N", [(512, 384), (1024, 200), (640, 256)])
-def test_cuda_forward_rows_in_place_uneven_groups(gemm_rows, K, N, monkeypatch):
+def test_cuda_forward_rows_in_place_uneven_groups(gemm_rows, K, N):
     """The forward's GEMMs on each expert's rows, written into y in place (torch._scaled_mm with out=; K=640
-    takes blockwise_scaled_mm's K/128 % 4 padding first), with a padded tail GEMM per expert at GEMM_ROWS 128 and 16 (cuBLASLt refused arbitrary row
-    counts, GEMM_ROWS 1, on the H200): uneven groups, an empty expert, 1-row experts, rows of no expert,
+    takes blockwise_scaled_mm's K/128 % 4 padding first), with a padded tail GEMM per expert of ``gemm_rows``
+    rows, 128 and the op's 16 (cuBLASLt refused arbitrary row counts, gemm_rows 1, on the H200), with the
+    quantisers the op's CUDA kernel uses: uneven groups, an empty expert, 1-row experts, rows of no expert,
     N % 128 != 0.
     Against the fake-quant reference on the same bf16 inputs, element by element (bf16 output rounding and
     accumulation order only: a misplaced row or a wrong tail row is off by O(1))."""
     from glm52_model.ops import fp8_grouped_mm as fgm
+    from glm52_model.ops.cuda import TILELANG_AVAILABLE
 
-    monkeypatch.setattr(fgm, "GEMM_ROWS", gemm_rows)
+    if TILELANG_AVAILABLE:
+        from glm52_model.ops.cuda.fp8_quant_tl import tilelang_quantisers
+    quant = tilelang_quantisers() if TILELANG_AVAILABLE else fgm.TORCH_QUANTISERS
     torch.manual_seed(4)
     R = 1200
     offs = torch.tensor([0, 1, 131, 131, 260, 261, 1000, 1100], dtype=torch.int32, device="cuda")
     x = torch.randn(R, K, device="cuda").bfloat16()
     w = (torch.randn(len(offs), K, N, device="cuda") * K ** -0.5).bfloat16()
-    y = OP(x, w, offs)
+    y = fgm.fp8_grouped_mm_kernel(x, w, offs, quant, gemm_rows=gemm_rows)
+    if gemm_rows == fgm.GEMM_ROWS:
+        assert torch.equal(y, OP(x, w, offs)), "the op's CUDA kernel is this kernel with these quantisers"
     ref = fgm.ref_fp8_grouped_mm(x.float(), w.float(), offs)
     assert y.shape == (R, N) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), ref, rtol=2 ** -6, atol=1e-3 * ref.abs().max().item())
@@ -118,14 +124,13 @@ def test_tilelang_quantisers_equal_the_torch_quantisers(cols):
 
 
 @pytest.mark.parametrize("tiles", ["1x128", "1x128_t", "128x128"])
-def test_fp8_quantize_op_on_the_tilelang_kernels_is_bit_exact(tiles, monkeypatch):
-    """glm52::fp8_quantize with fp8_quant_tl.DENSE on (what the dense FP8 linears would run) gives the
-    PyTorch quantisers' bytes and scales, including dims that are not multiples of 128."""
-    from glm52_model.ops.cuda import fp8_quant_tl as tl
+def test_fp8_quantize_op_on_the_tilelang_kernels_is_bit_exact(tiles):
+    """glm52::fp8_quantize on CUDA (what the dense FP8 linears run: the TileLang kernels) gives the PyTorch
+    quantisers' bytes and scales, including dims that are not multiples of 128."""
+    pytest.importorskip("glm52_model.ops.cuda.fp8_quant_tl", reason="TileLang not installed")
     from glm52_model.ops.fp8 import _fp8_quantize_kernel
 
     x = (torch.randn(333, 200, device="cuda") * 10).bfloat16()
-    monkeypatch.setattr(tl, "DENSE", True)
     q, s = torch.ops.glm52.fp8_quantize(x, tiles)
     q2, s2 = _fp8_quantize_kernel(x, tiles)
     assert q.shape == q2.shape and s.shape == s2.shape

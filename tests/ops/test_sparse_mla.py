@@ -71,21 +71,36 @@ def test_opcheck(dtype):
                           (q.detach(), kv.detach(), out.detach(), dout, idx, lse, scale, d_v))
 
 
-def test_cuda_backward_delta_by_chunks_equals_the_whole(monkeypatch):
-    """The CUDA backward's delta = sum(out * dout) in fp32, in PyTorch (DELTA_KERNEL = "pytorch"), goes a few rows
-    at a time (bounded temporaries):
+def test_cuda_backward_delta_by_chunks_equals_the_whole():
+    """The CUDA backward's delta = sum(out * dout) in fp32 goes a few rows at a time (bounded temporaries):
     chunks that do not divide the rows, one row a chunk, and one chunk for all give the same [S, H]."""
     tl = pytest.importorskip("glm52_model.ops.cuda.sparse_mla_tl", reason="TileLang not installed")
     g = torch.Generator().manual_seed(3)
     out, dout = (torch.randn(37, 4, 64, generator=g).bfloat16() for _ in range(2))
     whole = (out.float() * dout.float()).sum(-1)
     for rows in (5, 1, 64):
-        monkeypatch.setattr(tl, "_ROW_DOT_BYTES", rows * 4 * 4 * 64)
-        got = tl._row_dot(out, dout)
+        got = tl.row_dot(out, dout, rows * 4 * 4 * 64)
         assert got.dtype == torch.float32 and got.shape == (37, 4)
         assert torch.equal(got, whole), rows
-    empty = tl._row_dot(out[:0], dout[:0])  # no queries: an empty delta
+    empty = tl.row_dot(out[:0], dout[:0], 1 << 20)  # no queries: an empty delta
     assert empty.shape == (0, 4) and empty.dtype == torch.float32
-    monkeypatch.setattr(tl, "DELTA_KERNEL", "fused")
-    with pytest.raises(ValueError, match="DELTA_KERNEL must be 'pytorch' or 'tilelang'"):
-        tl._row_dot(out, dout)
+
+
+@pytest.mark.parametrize("heads,d_v,pipelined", [(64, 512, True), (48, 512, True), (16, 512, False),
+                                                 (128, 512, False), (64, 448, False)])
+def test_cuda_kernels_the_ops_run(heads, d_v, pipelined):
+    """The ops' CUDA launchers run the warp-specialised kernels at 64 padded heads (d_v a multiple of 256), the
+    serial ones elsewhere or when the config asks, each with its config's tunables and the indices padded to its
+    slot blocks (two at a time for the pipelined kernels)."""
+    tl = pytest.importorskip("glm52_model.ops.cuda.sparse_mla_tl", reason="TileLang not installed")
+    ops, Hp = tl.SparseMlaConfig(), tl.padded_heads(heads)
+    fwd, bwd = tl.fwd_kernel_choice(Hp, d_v, ops), tl.bwd_kernel_choice(Hp, d_v, ops)
+    if pipelined:
+        assert fwd == (tl.compile_sparse_mla_fwd_ws, ops.fwd_ws, 2 * ops.fwd_ws.block_I)
+        assert bwd == (tl.compile_sparse_mla_bwd_ws, ops.bwd_ws, 2 * ops.bwd_ws.block_I)
+    else:
+        assert fwd[0] is tl.compile_sparse_mla_fwd and bwd[0] is tl.compile_sparse_mla_bwd
+        assert bwd[1] == (ops.bwd_few_heads if Hp < 64 else ops.bwd) and bwd[2] == bwd[1].block_I
+    serial = tl.SparseMlaConfig(pipelined_fwd=False, pipelined_bwd=False)
+    assert tl.fwd_kernel_choice(Hp, d_v, serial)[0] is tl.compile_sparse_mla_fwd
+    assert tl.bwd_kernel_choice(Hp, d_v, serial)[0] is tl.compile_sparse_mla_bwd

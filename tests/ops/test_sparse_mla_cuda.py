@@ -77,19 +77,18 @@ def _edge_inputs(S, Sk, H, topk, seed):
 
 @pytest.mark.parametrize("S,Sk,topk,H", [(192, 640, 128, 64), (256, 4096, 2048, 64), (96, 300, 100, 48)])
 def test_sparse_mla_pipelined_forward_vs_reference_and_serial(S, Sk, topk, H):
-    """The warp-specialised forward (FWD_KERNEL = "pipelined"; 64 padded heads) against the dense reference
-    and the serial kernel: masked slots, a row with no valid slot, rows whose only valid slot is the last or
-    the first (the running max starts from the -2^30 floor), topk a multiple of 2 * block_I or padded up."""
+    """The warp-specialised forward (the op's at 64 padded heads) against the dense reference and the serial
+    kernel (``SparseMlaConfig(pipelined_fwd=False)``): masked slots, a row with no valid slot, rows whose only
+    valid slot is the last or the first (the running max starts from the -2^30 floor), topk a multiple of
+    2 * block_I or padded up."""
     from unittest import mock
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     q, kv, idx = _edge_inputs(S, Sk, H, topk, seed=2)
     scale = 576 ** -0.5
-    with mock.patch.object(tl, "FWD_KERNEL", "pipelined"), \
-            mock.patch.object(tl, "compile_sparse_mla_fwd_ws", wraps=tl.compile_sparse_mla_fwd_ws) as ws:
+    with mock.patch.object(tl, "compile_sparse_mla_fwd_ws", wraps=tl.compile_sparse_mla_fwd_ws) as ws:
         out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
         assert ws.called, "the pipelined forward was not used"
-    with mock.patch.object(tl, "FWD_KERNEL", "serial"):
-        out_s, lse_s = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
+    out_s, lse_s = tl.sparse_mla_tl(q, kv, idx, scale, 512, tl.SparseMlaConfig(pipelined_fwd=False))
     assert out.dtype == torch.bfloat16 and out.shape == (S, H, 512) and lse.shape == (S, H)
     ref_out, ref_lse = ref_sparse_mla(q.float(), kv.float(), idx, scale, 512)
     assert bool(torch.isinf(lse[0]).all()) and bool((out[0] == 0).all())
@@ -105,23 +104,24 @@ def test_sparse_mla_pipelined_forward_vs_reference_and_serial(S, Sk, topk, H):
 @pytest.mark.parametrize("S,Sk,topk,H,chunk", [
     (192, 640, 128, 64, 64), (256, 4096, 2048, 64, 64), (96, 300, 100, 48, 64), (192, 640, 128, 64, 128)])
 def test_sparse_mla_pipelined_backward_vs_reference_and_serial(S, Sk, topk, H, chunk):
-    """The warp-specialised backward (BWD_KERNEL = "pipelined"; 64 padded heads) against the dense
-    reference's autograd and the serial kernel: masked slots, a row with no valid slot (dq = 0), rows whose
-    only valid slot is the last or the first, duplicate-free indices, H = 64 and a padded head count (48),
-    topk a multiple of 2 * block_I or padded up (100)."""
+    """The warp-specialised backward (the op's at 64 padded heads; ``chunk``: its piece width, 64 the op's)
+    against the dense reference's autograd and the serial kernel (``SparseMlaConfig(pipelined_bwd=False)``):
+    masked slots, a row with no valid slot (dq = 0), rows whose only valid slot is the last or the first,
+    duplicate-free indices, H = 64 and a padded head count (48), topk a multiple of 2 * block_I or padded up
+    (100)."""
     from unittest import mock
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     q, kv, idx = _edge_inputs(S, Sk, H, topk, seed=3)
     scale = 576 ** -0.5
     out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
     dout = torch.randn_like(out)
-    with mock.patch.object(tl, "BWD_KERNEL", "pipelined"), mock.patch.object(tl, "BWD_WS_CHUNK", chunk), \
-            mock.patch.object(tl, "compile_sparse_mla_bwd_ws", wraps=tl.compile_sparse_mla_bwd_ws) as ws:
-        dq, dkv = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
-        assert ws.called and ws.call_args.kwargs["chunk"] == chunk, "the pipelined backward was not used"
-    with mock.patch.object(tl, "BWD_KERNEL", "serial"), \
-            mock.patch.object(tl, "compile_sparse_mla_bwd_ws", wraps=tl.compile_sparse_mla_bwd_ws) as ws:
-        dq_s, dkv_s = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+    config = tl.SparseMlaConfig(bwd_ws=tl.BwdWsConfig(chunk=chunk))
+    with mock.patch.object(tl, "compile_sparse_mla_bwd_ws", wraps=tl.compile_sparse_mla_bwd_ws) as ws:
+        dq, dkv = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512, config)
+        assert ws.called and ws.call_args.args[-1].chunk == chunk, "the pipelined backward was not used"
+    with mock.patch.object(tl, "compile_sparse_mla_bwd_ws", wraps=tl.compile_sparse_mla_bwd_ws) as ws:
+        dq_s, dkv_s = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512,
+                                           tl.SparseMlaConfig(pipelined_bwd=False))
         assert not ws.called
     assert dq.dtype == q.dtype and dq.shape == q.shape and dkv.dtype == kv.dtype and dkv.shape == kv.shape
     assert bool(torch.isfinite(dq.float()).all()) and bool(torch.isfinite(dkv.float()).all())
@@ -140,57 +140,42 @@ def test_sparse_mla_pipelined_backward_vs_reference_and_serial(S, Sk, topk, H, c
     assert bool((dkv[untouched] == 0).all()) and bool((dkv_s[untouched] == 0).all())
 
 
-def test_sparse_mla_bwd_kernel_constant_rejects_unknown_value():
-    from unittest import mock
-    from glm52_model.ops.cuda import sparse_mla_tl as tl
-    q, kv, idx = _inputs(8, 64, 64, 64)
-    out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, 0.05, 512)
-    with mock.patch.object(tl, "BWD_KERNEL", "bogus"), pytest.raises(ValueError, match="BWD_KERNEL"):
-        tl.sparse_mla_bwd_tl(q, kv, out, torch.randn_like(out), idx, lse, 0.05, 512)
-
-
-@pytest.mark.parametrize("kernel", ["pytorch", "tilelang"])
 @pytest.mark.parametrize("S,H,d_v", [(37, 4, 512), (5, 3, 448), (1, 64, 512), (0, 64, 512)])
-def test_row_dot_vs_float64(S, H, d_v, kernel):
-    """The backward's delta = sum(out * dout) in fp32, by either DELTA_KERNEL: rows not a multiple of the
-    kernel's row block, 64-wide column blocks (448), no rows; a non-contiguous dout."""
-    from unittest import mock
+def test_row_dot_vs_float64(S, H, d_v):
+    """The backward's delta = sum(out * dout) in fp32, a chunk of rows at a time: rows not a multiple of a
+    chunk, no rows; a non-contiguous dout."""
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     g = torch.Generator(device="cuda").manual_seed(S + H)
     out = torch.randn(S, H, d_v, device="cuda", generator=g).bfloat16()
     dout = torch.randn(S, d_v, H, device="cuda", generator=g).bfloat16().transpose(1, 2)
-    with mock.patch.object(tl, "DELTA_KERNEL", kernel):
-        got = tl._row_dot(out, dout)
+    got = tl.row_dot(out, dout, 7 * 4 * H * d_v)
     assert got.dtype == torch.float32 and got.shape == (S, H)
     torch.testing.assert_close(got.double(), (out.double() * dout.double()).sum(-1), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["pytorch", "tilelang"])
-def test_sparse_mla_bwd_memory_beyond_its_outputs_is_bounded(kernel):
+def test_sparse_mla_bwd_memory_beyond_its_outputs_is_bounded():
     """The backward's delta = sum(out * dout) in fp32: at 8K queries x 64 heads, fp32 copies of out and dout and
-    their product would be 3 GiB at once. The PyTorch form goes a chunk of rows at a time (at most 3 x
-    _ROW_DOT_BYTES of temporaries), the kernel needs none; beside them the backward holds only dq, dkv (and its
-    fp32 accumulator), delta and the launcher's padded index copy; dq and dkv as with the whole tensors at once."""
-    from unittest import mock
+    their product would be 3 GiB at once. It goes a chunk of rows at a time (at most 3 x delta_chunk_bytes of
+    temporaries); beside them the backward holds only dq, dkv (and its fp32 accumulator), delta and the
+    launcher's padded index copy; dq and dkv as with the whole tensors at once."""
     from glm52_model.ops.cuda import sparse_mla_tl as tl
     S, Sk, topk, H = 8192, 8192, 128, 64
     q, kv, idx = _inputs(S, Sk, H, topk, seed=5)
     scale = 576 ** -0.5
     out, lse = torch.ops.glm52.sparse_mla(q, kv, idx, scale, 512)
     dout = torch.randn_like(out)
-    with mock.patch.object(tl, "DELTA_KERNEL", kernel):
-        torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)  # kernels built, cache warm
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        dq, dkv = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - before
+    torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)  # kernels built, cache warm
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dq, dkv = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
     outputs = dq.numel() * dq.element_size() + kv.numel() * 4 + dkv.numel() * dkv.element_size()
-    temporaries = 3 * tl._ROW_DOT_BYTES if kernel == "pytorch" else 0
+    temporaries = 3 * tl.SparseMlaConfig().delta_chunk_bytes
     bound = outputs + S * H * 4 + temporaries + 2 * idx.numel() * 4 + (64 << 20)
     assert extra <= bound, f"backward took {extra / 2**20:.0f} MiB beyond its inputs, bound {bound / 2**20:.0f} MiB"
-    with mock.patch.object(tl, "DELTA_KERNEL", "pytorch"), mock.patch.object(tl, "_ROW_DOT_BYTES", 1 << 40):
-        dq1, dkv1 = torch.ops.glm52.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale, 512)  # one chunk: all at once
+    one_chunk = tl.SparseMlaConfig(delta_chunk_bytes=1 << 40)                                # all rows at once
+    dq1, dkv1 = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, 512, one_chunk)
     assert_similar(dq.float(), dq1.float(), min_cos=0.99999, max_rel=1e-3, what="dq vs unchunked")
     assert_similar(dkv.float(), dkv1.float(), min_cos=0.99999, max_rel=1e-3, what="dkv vs unchunked")

@@ -2,13 +2,16 @@
 
 Importing this package registers, when TileLang imports:
 
-- ``glm52::dsa_topk_indices``: masked indexer logits (bf16 or e4m3) + radix top-k select (:mod:`.dsa_topk_tl`);
+- ``glm52::dsa_topk_indices``: masked indexer logits (bf16 or e4m3, :mod:`.dsa_topk_tl`) + the exact top-k
+  select (:mod:`.topk_select_tl`);
 - ``glm52::sparse_mla`` / ``glm52::sparse_mla_bwd``: sparse MLA forward (warp-specialised at 64 heads) /
   backward (:mod:`.sparse_mla_tl`);
 - ``glm52::fp8_grouped_mm`` / ``glm52::fp8_grouped_mm_bwd``: the same cuBLASLt GEMMs as without TileLang, with
   the FP8 quantisation (and the experts' 128-row slots) in single-pass kernels (:mod:`.fp8_quant_tl`);
-- ``glm52::fp8_quantize`` (the dense FP8 linears): the same kernels while ``fp8_quant_tl.DENSE`` is set (the
-  default; bit-exact with the PyTorch quantisers on the H200), else the PyTorch quantisers.
+- ``glm52::fp8_quantize`` (the dense FP8 linears): the same kernels (bit-exact with the PyTorch quantisers).
+
+Each kernel builder takes its tunables as a small frozen config whose defaults are what the ops run; the
+launchers take a config too (a benchmark passes others), and the registered kernels always run the defaults.
 
 Without TileLang these ops run their PyTorch reference kernels on CUDA too, each warning once
 (:func:`._common.reference_fallback`). With TileLang, inputs the kernels do not take (dtypes other than

@@ -1,9 +1,8 @@
 """TileLang kernels for the tile-wise FP8 quantisation of the routed experts (``glm52::fp8_grouped_mm``).
 
-The PyTorch quantisers of :mod:`glm52_model.ops.fp8` take ~6 passes over an fp32 copy of their input; on the
-bench layer's experts (131,072 rows x 6144 at 16K tokens) that cost 6x the FP8 GEMMs themselves (H200,
-``bench_kernels.py``). These kernels read the bf16 input once and write the fp8 data and its scales once,
-with the same math as PyTorch on CUDA, bit for bit: scale = max(amax, 1e-12) * fp32(1/448) (PyTorch's CUDA
+The PyTorch quantisers of :mod:`glm52_model.ops.fp8` take ~6 passes over an fp32 copy of their input. These kernels
+read the bf16 input once and write the fp8 data and its scales once, with the same math as PyTorch on CUDA, bit for
+bit: scale = max(amax, 1e-12) * fp32(1/448) (PyTorch's CUDA
 division by a Python scalar multiplies by the scalar's fp32 reciprocal), q = clamp(x / scale, +-448) cast to
 e4m3 (IEEE division: TileLang builds without fast math):
 
@@ -15,10 +14,13 @@ e4m3 (IEEE division: TileLang builds without fast math):
 3. ``quant_blocks``: 128x128 blocks of a batch of matrices -> q [B, Np, Kp], scales [B, Np/128, Kp/128], or
    the blocks of each matrix's transpose (the forward's w[e].T), written transposed through shared memory.
 
-``ci_builds`` lists one build of each for CI (sm_90a, on the CPU).
+Each builder takes its tunables as a small frozen config (:class:`RowsConfig`, :class:`ColsConfig`,
+:class:`BlocksConfig`; the defaults are what the ops run). ``ci_builds`` lists one build of each for CI (sm_90a, on
+the CPU). The dense FP8 linears' ``glm52::fp8_quantize`` runs these kernels on CUDA too.
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -42,8 +44,32 @@ def _scale(amax):
     return T.max(amax, EPS) * INV_FP8_MAX
 
 
-def build_quant_rows(cols: int, in_dtype=T.bfloat16, *, block_M: int = 32, threads: int = 128):
+@dataclass(frozen=True)
+class RowsConfig:
+    """``quant_rows``' tunables."""
+
+    block_M: int = 32       # rows a CTA (the row map holds a multiple of it)
+    threads: int = 128
+
+
+@dataclass(frozen=True)
+class ColsConfig:
+    """``quant_cols``' tunables."""
+
+    block_C: int = 64       # columns a CTA (one amax per thread)
+    threads: int = 128
+
+
+@dataclass(frozen=True)
+class BlocksConfig:
+    """``quant_blocks``' tunables."""
+
+    threads: int = 256
+
+
+def build_quant_rows(cols: int, in_dtype=T.bfloat16, config: RowsConfig = RowsConfig()):
     """x [rows_in, cols] -> q [rows_out, Kp] fp8, s [rows_out, Kp/128]; rows_out a multiple of block_M."""
+    block_M, threads = config.block_M, config.threads
     kp = round_up(cols, TILE)
     rows_in = T.dynamic("rows_in")
     rows_out = T.dynamic("rows_out")
@@ -73,11 +99,12 @@ def build_quant_rows(cols: int, in_dtype=T.bfloat16, *, block_M: int = 32, threa
     return quant_rows
 
 
-def build_quant_cols(cols: int, in_dtype=T.bfloat16, *, block_C: int = 64, threads: int = 128):
+def build_quant_cols(cols: int, in_dtype=T.bfloat16, config: ColsConfig = ColsConfig()):
     """x [rows_in, cols] -> 1x128 tiles along the rows, transposed, expert after expert: the 128-row tile ``t``
     of slot [p0, p1) (TileBase[t] = p0 / 128, TileWidth[t] = (p1 - p0) / 128) goes to the slot's [cols, p1 - p0]
     matrix, which starts at element cols * p0 of the flat q [cols * rows_out] (scales: cols * p0 / 128 of the
     flat s). One slot over all rows is the plain transposed layout [cols, rows_out]."""
+    block_C, threads = config.block_C, config.threads
     rows_in = T.dynamic("rows_in")
     rows_out = T.dynamic("rows_out")
 
@@ -117,10 +144,12 @@ def build_quant_cols(cols: int, in_dtype=T.bfloat16, *, block_C: int = 64, threa
     return quant_cols
 
 
-def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, transpose: bool = False, threads: int = 256):
+def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, transpose: bool = False,
+                       config: BlocksConfig = BlocksConfig()):
     """w [batch, rows, cols] -> 128x128 blocks of each w[b] (q [batch, Np, Kp], s [batch, Np/128, Kp/128]), or
     with ``transpose`` the blocks of each w[b].T (q [batch, Kp, Np], s [batch, Kp/128, Np/128]): the same
     scales, the bytes written transposed through shared memory. Padding blocks are zero."""
+    threads = config.threads
     np_, kp = round_up(rows, TILE), round_up(cols, TILE)
     batch = T.dynamic("batch")
     q_shape, s_shape = ([batch, kp, np_], [batch, kp // TILE, np_ // TILE]) if transpose else \
@@ -168,6 +197,8 @@ def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, transpose: 
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _compiled(kind: str, shape: tuple, dtype: torch.dtype, arch: str, **options):
+    """The ``kind`` kernel ("rows", "cols", "blocks") for inputs of ``shape`` (the builder's leading arguments) in
+    ``dtype``, with the builder's default config; ``options``: ``transpose`` for "blocks"."""
     build = {"rows": build_quant_rows, "cols": build_quant_cols, "blocks": build_quant_blocks}[kind]
     return tilelang.compile(build(*shape, _DTYPES[dtype], **options), target={"kind": "cuda", "arch": arch})
 
@@ -205,9 +236,9 @@ def _zero_tiles(q: torch.Tensor, s: torch.Tensor) -> None:
     s.fill_(EPS).mul_(INV_FP8_MAX)                          # fp32 ops, as the kernels and PyTorch round
 
 
-def quant_rows(x: torch.Tensor, rmap: torch.Tensor, total: int, block_M: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_rows(x: torch.Tensor, rmap: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along K of rows ``rmap`` of x: (q [total, Kp], s [total, Kp/128]); rmap holds
-    round_up(total, block_M) entries."""
+    round_up(total, RowsConfig().block_M) entries (:func:`row_map`)."""
     x = x.contiguous()
     rows, cols = rmap.shape[0], x.shape[1]
     kp = round_up(cols, TILE)
@@ -260,15 +291,16 @@ def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor
     return q, s
 
 
-__all__ = ["build_quant_rows", "build_quant_cols", "build_quant_blocks", "ci_builds", "takes", "row_map",
-           "quant_rows", "quant_cols", "quant_blocks", "slot_tiles", "register", "DENSE", "fp8_quantize_cuda"]
+__all__ = ["RowsConfig", "ColsConfig", "BlocksConfig", "build_quant_rows", "build_quant_cols", "build_quant_blocks",
+           "ci_builds", "takes", "row_map", "quant_rows", "quant_cols", "quant_blocks", "slot_tiles", "register",
+           "fp8_quantize_cuda", "tilelang_quantisers"]
 
 
 # --------------------------------------------------------------------------------------------------
 # registration: the routed experts' FP8 grouped GEMM quantises with these kernels on CUDA
 # --------------------------------------------------------------------------------------------------
 def _rows(x, src, dest, total):
-    return quant_rows(x, row_map(src, dest, total, 32), total)
+    return quant_rows(x, row_map(src, dest, total, RowsConfig().block_M), total)
 
 
 def _cols(x, src, dest, poffs, slot_ends):
@@ -279,23 +311,18 @@ def _blocks_t(w):
     return quant_blocks(w, transpose=True)
 
 
-# Whether the dense FP8 linears' ``glm52::fp8_quantize`` runs these kernels on CUDA too (read per call). They
-# give the PyTorch quantisers' bytes and scales bit for bit on the H200 (tests/gpu/test_fp8_grouped_mm_cuda.py)
-# in one pass instead of about six over an fp32 copy.
-DENSE = True
-
-
 def fp8_quantize_cuda(x: torch.Tensor, tiles: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA kernel of ``glm52::fp8_quantize``: these kernels when :data:`DENSE` and they take ``x``, else the
+    """CUDA kernel of ``glm52::fp8_quantize`` (the dense FP8 linears): these kernels where they take ``x`` (the
+    PyTorch quantisers' bytes and scales bit for bit, in one pass instead of about six over an fp32 copy), else the
     PyTorch quantisers (the op's own kernel)."""
     from ..fp8 import _QUANTISERS, _fp8_quantize_kernel
 
-    if not (DENSE and takes(x) and x.dim() == 2 and tiles in _QUANTISERS):
+    if not (takes(x) and x.dim() == 2 and tiles in _QUANTISERS):
         return _fp8_quantize_kernel(x, tiles)
     R = x.shape[0]
     rows = torch.arange(R, device=x.device)
     if tiles == "1x128":
-        q, s = quant_rows(x, row_map(rows, rows, R, 32), R)
+        q, s = quant_rows(x, row_map(rows, rows, R, RowsConfig().block_M), R)
     elif tiles == "1x128_t":
         rp = round_up(R, TILE)
         one_slot = torch.tensor([rp], dtype=torch.int32, device=x.device)
@@ -307,17 +334,25 @@ def fp8_quantize_cuda(x: torch.Tensor, tiles: str) -> tuple[torch.Tensor, torch.
     return q.contiguous(), s.contiguous()
 
 
-def register() -> None:
-    from ..fp8_grouped_mm import TORCH_QUANTISERS, Quantisers, fp8_grouped_mm_bwd_kernel, fp8_grouped_mm_kernel
+def tilelang_quantisers():
+    """The four quantisations of ``glm52::fp8_grouped_mm(_bwd)`` (:class:`~glm52_model.ops.fp8_grouped_mm.Quantisers`)
+    by these kernels."""
+    from ..fp8_grouped_mm import Quantisers
 
-    tilelang_quantisers = Quantisers(rows=_rows, cols=_cols, blocks=quant_blocks, blocks_t=_blocks_t)
+    return Quantisers(rows=_rows, cols=_cols, blocks=quant_blocks, blocks_t=_blocks_t)
+
+
+def register() -> None:
+    from ..fp8_grouped_mm import TORCH_QUANTISERS, fp8_grouped_mm_bwd_kernel, fp8_grouped_mm_kernel
+
+    quantisers = tilelang_quantisers()
 
     def fp8_grouped_mm_cuda(x, w, offs):
-        quant = tilelang_quantisers if takes(x) and takes(w) else TORCH_QUANTISERS
+        quant = quantisers if takes(x) and takes(w) else TORCH_QUANTISERS
         return fp8_grouped_mm_kernel(x, w, offs, quant)
 
     def fp8_grouped_mm_bwd_cuda(dy, x, w, offs):
-        quant = tilelang_quantisers if takes(dy) and takes(x) and takes(w) else TORCH_QUANTISERS
+        quant = quantisers if takes(dy) and takes(x) and takes(w) else TORCH_QUANTISERS
         return fp8_grouped_mm_bwd_kernel(dy, x, w, offs, quant)
 
     torch.library.register_kernel("glm52::fp8_quantize", "cuda")(fp8_quantize_cuda)
