@@ -645,9 +645,14 @@ def main(argv=None):
     if unknown:
         sys.exit(f"bench_kernels: --op-configs {','.join(unknown)}: not in OP_SWEEP; "
                  f"choose from {', '.join(OP_SWEEP)} or 'all'")
-    from glm52_model.ops.cuda.dsa_topk_tl import TopkConfig
-    base = with_overrides(TopkConfig(), {"logits": json.loads(args.logits_tunables or "{}"),
-                                         "select": json.loads(args.select_tunables or "{}")})
+    from glm52_model.ops.cuda.dsa_topk_tl import LogitsConfig, TopkConfig
+    from glm52_model.ops.cuda.topk_select_tl import SelectConfig
+    try:
+        base = with_overrides(TopkConfig(), {"logits": json.loads(args.logits_tunables or "{}"),
+                                             "select": json.loads(args.select_tunables or "{}")})
+    except TypeError as e:
+        fields = {c.__name__: [f.name for f in dataclasses.fields(c)] for c in (LogitsConfig, SelectConfig)}
+        sys.exit(f"bench_kernels: --logits-tunables / --select-tunables: {e}; the configs' fields: {fields}")
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
     import tilelang
