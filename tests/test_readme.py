@@ -1,10 +1,9 @@
-"""The README: its backend example runs as written and its options table lists every backend option."""
+"""The README: a short manual, and its quick-start example runs as written."""
 import os
 import re
 
-
-
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+README_MAX_LINES = 250  # the detail lives on the docs/ pages the README links
 
 
 def test_readme_example_runs():
@@ -21,8 +20,6 @@ def test_readme_example_runs():
     assert "aten::topk.default" not in report.recomputed
 
 
-def test_readme_documents_every_backend_option():
-    readme = open(README).read()
-    from sacpass.options import VALID_OPTIONS
-    for option in VALID_OPTIONS:
-        assert f"| `{option}` |" in readme, option
+def test_readme_is_a_short_manual():
+    lines = open(README).read().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to a docs/ page"
