@@ -14,7 +14,6 @@ import torch
 
 from .compression import BF16_RATIO
 from .errors import BackendOptionError
-from .host import physical_memory
 
 __all__ = ["CostModel", "Plan", "ModelPlan", "as_plan"]
 
@@ -53,13 +52,24 @@ class CostModel:
         return nbytes / self.copy_bytes_per_s
 
 
+PLAN_SHARE = 0.9  # of the host pool's limit: what a plan's values may take, the rest room for the slabs' rounding
+
+
+def default_host_bytes() -> int:
+    """The host bytes a plan spends by default, all its layers together: ``PLAN_SHARE`` of the host pool's limit,
+    which is this process's share of the host (:mod:`sacpass.host`) unless ``sacpass.offload.set_host_limit`` set
+    another."""
+    from .offload import host_limit
+    return int(PLAN_SHARE * host_limit())
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the planner may spend, per execution of one compiled graph (one layer).
 
     gpu_bytes:  device bytes the planner may keep beyond the must-saves (0: no more than full recompute keeps).
                 With ``memory_budget=f`` given too, f times the candidates' bytes instead.
-    host_bytes: pinned host bytes it may offload per layer; None: 40% of this machine's memory / ``layers``.
+    host_bytes: pinned host bytes it may offload per layer; None: :func:`default_host_bytes` / ``layers``.
     layers:     how many layer executions share the host memory per step (only for host_bytes=None).
     hide:       share of the layer's estimated forward (and backward) time its copies may take, so that they
                 stay hidden under compute (copies run on their own streams).
@@ -100,7 +110,7 @@ class Plan:
     def host_budget(self) -> int:
         if self.host_bytes is not None:
             return self.host_bytes
-        return int(0.4 * physical_memory()) // self.layers
+        return default_host_bytes() // self.layers
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,7 @@ class ModelPlan:
 
     layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host.
     gpu_bytes: device bytes the step may keep beyond the must-saves, all regions together.
-    host_bytes: host bytes the step may offload, all regions together; None: 40% of this machine's memory.
+    host_bytes: host bytes the step may offload, all regions together; None: :func:`default_host_bytes`.
     inputs:    also place each region's activation inputs (a decoder layer's hidden states, which activation
                checkpointing otherwise keeps on the device for every layer) like its planned values: kept on
                the device for the last regions, offloaded for the rest. Parameters and buffers (the graph's
@@ -192,7 +202,7 @@ class ModelPlan:
              min_offload_bytes=self.min_offload_bytes, cost=self.cost)
 
     def host_budget(self) -> int:
-        return self.host_bytes if self.host_bytes is not None else int(0.4 * physical_memory())
+        return self.host_bytes if self.host_bytes is not None else default_host_bytes()
 
     @property
     def key(self) -> str:
@@ -236,11 +246,19 @@ def _exact_selectors(exact, compress) -> tuple:
     return sels
 
 
+_DECLARED: dict[str, ModelPlan] = {}  # plan key -> the plan a backend of this process was built with
+
+
+def declared_plan(key: str) -> "ModelPlan | None":
+    """The model plan a backend of this process was built with, by its key (what its compiled graphs' stash ops
+    name): the runtime makes the plan's state from it at its first stash, cached graphs' included."""
+    return _DECLARED.get(key)
+
+
 def as_plan(plan) -> Plan | ModelPlan | None:
     """``None``, ``"auto"`` (the default :class:`Plan`), a Plan or a ModelPlan; anything else is refused."""
     if isinstance(plan, ModelPlan):
-        from .offload import register_placement
-        register_placement(plan)  # before any graph runs, cached ones included
+        _DECLARED.setdefault(plan.key, plan)  # before any graph runs, cached ones included
         return plan
     if plan is None or isinstance(plan, Plan):
         return plan

@@ -14,6 +14,7 @@ import torch
 
 import sacpass
 import sacpass.offload as rt
+from sacpass.offload.placement import Budgets, place_step
 from sacpass.compression import TILE, pack, packed_bytes, unpack
 from helpers import relative_error
 from test_model_plan import LAYERS, REGION, _eager, _plan, _run
@@ -111,13 +112,12 @@ def test_the_planner_counts_packed_bytes_against_the_host_budget():
 def test_a_packed_step_the_host_cannot_hold_names_the_device_budget_in_unpacked_bytes():
     """The device keeps values as they are: the smallest gpu_bytes that holds a packed step counts them so,
     not at the host's packed size."""
-    placement = rt._Placement(layers=2, gpu_bytes=0, host_bytes=2176, compress=True)
     sizes = {(0, 0): 4096, (1, 0): 4096}  # fp32 values of 1024 elements: 1024 + 512 pool bytes packed
     host_sizes = {k: rt.packed_pool_bytes(1024) for k in sizes}
     with pytest.raises(sacpass.OffloadError, match=r"host_bytes=3072 with this gpu_bytes, or gpu_bytes=4096 with "
                                                    r"this host_bytes"):
-        placement.solve(sizes, host_sizes)
-    assert rt._Placement(layers=2, gpu_bytes=4096, host_bytes=2176, compress=True).solve(sizes, host_sizes) == \
+        place_step(sizes, Budgets(2, 0, 2176), host_sizes)
+    assert place_step(sizes, Budgets(2, 4096, 2176), host_sizes) == \
         {(1, 0): "device", (0, 0): "host"}
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .. import offload as _ops  # noqa: F401  (registers torch.ops.sacpass.offload / reload)
+from ..offload import ops as _ops  # noqa: F401  (declares torch.ops.sacpass.*)
 from ..nodes import is_cast_or_view, tensor_nbytes
 from .tag_policy import EXACT_KEY, OFFLOAD_KEY
 

@@ -34,7 +34,7 @@ from ..errors import warn
 from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, node_op, op_name, size_hint,
                      tensor_nbytes, unpackers)
 from ..compression import packed_bytes
-from ..offload import host_limit, host_pool_bytes, packs
+from ..offload.sizes import host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import PLAN, Decision
 from .tag_policy import EXACT_KEY, OFFLOAD, TagResult
@@ -233,6 +233,7 @@ def release_regions(graph: torch.fx.Graph) -> int:
 def _check_host_limit(plan: Plan) -> None:
     """A plan whose host budget, over its layers, passes the offload runtime's limit would stop a step with an
     OffloadError once the pool reaches the limit: say so when the plan is made, not hours into a run."""
+    from ..offload import host_limit
     per_step = plan.host_budget() * plan.layers
     if per_step > host_limit():
         warn(f"sacpass: Plan(host_bytes={plan.host_bytes}, layers={plan.layers}) may offload {per_step} bytes a step, "
