@@ -240,6 +240,7 @@ def test_a_symbolic_size_the_backward_cannot_rebuild_goes_to_the_host_and_says_s
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from sacpass.passes.offload import _SymSizes, offload_pass
+    from sacpass.passes.plan import PlanResult
 
     env = ShapeEnv()
     s = env.create_symintnode(env.create_symbol(6, ConstantSource("rows")), hint=6)
@@ -274,7 +275,8 @@ def test_a_symbolic_size_the_backward_cannot_rebuild_goes_to_the_host_and_says_s
     forward, _ = graph([("x", x)], fw_body)
     backward, bw_ph = graph([("sin", z), ("tangents_1", scalar)], bw_body)
     with pytest.warns(sacpass.SacpassWarning, match=r"sin has size 0 \(s\d+\).*sacpass::offload.*mark_static"):
-        done = offload_pass(forward, backward, {"sin": "plan"}, 1, model_plan="layers=1")
+        done = offload_pass(forward, backward, PlanResult(offload_marks={"sin": "plan"}, model_plan="layers=1",
+                                                          cost=sacpass.CostModel()), 1)
     assert done == {"sin": "plan"}
     targets = [n.target for n in forward.graph.nodes] + [n.target for n in backward.graph.nodes]
     assert torch.ops.sacpass.offload.default in targets and torch.ops.sacpass.reload.default in targets
@@ -361,7 +363,7 @@ def test_a_kept_input_written_in_place_before_the_backward_is_refused():
 def test_activation_inputs_need_aot_autograd_s_static_inputs():
     """Without the list of static inputs (parameters, buffers) nothing tells a weight from an activation:
     no input is placed."""
-    from sacpass.passes.offload import activation_inputs
+    from sacpass.passes.plan import activation_inputs
 
     gm = torch.fx.symbolic_trace(lambda w, x: (x @ w).sum())
     for n in gm.graph.find_nodes(op="placeholder"):

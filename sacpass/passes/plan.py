@@ -23,23 +23,26 @@ knapsack), ``1.0`` partitions as without activation checkpointing, ``0`` keeps t
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..errors import warn
-from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, node_op, op_name, size_hint,
-                     tensor_nbytes, unpackers)
+from ..errors import SacpassError, warn
+from ..nodes import (backward_part, is_cast_or_view, is_cheap_unary, is_getitem, is_view, module_path, node_op,
+                     op_name, size_hint, tensor_nbytes, unpackers)
 from ..compression import packed_bytes
 from ..offload.sizes import host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
-from ..report import PLAN, Decision
-from .tag_policy import EXACT_KEY, OFFLOAD, TagResult
+from ..report import BUDGET, MIN_CUT, PLAN, Decision
+from .tag_policy import EXACT_KEY, OFFLOAD, OFFLOAD_KEY, TagResult
 
-__all__ = ["plan_pass", "release_regions", "node_seconds", "expected_ms", "has_region"]
+__all__ = ["plan_pass", "PlanResult", "release_regions", "activation_inputs", "node_seconds", "expected_ms",
+           "has_region"]
 
 
 def _meta(val):
@@ -272,11 +275,107 @@ def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: b
     return out, pooled
 
 
-def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
-              plan: Plan | None, inputs=()) -> tuple[Decision, ...]:
-    """Tag the candidates (see the module docstring); returns one Decision per candidate. A memory budget
-    without a plan is left to PyTorch's solver (see :func:`release_regions`); this pass then does nothing.
-    ``inputs``: the graph inputs a :class:`ModelPlan` places (their bytes come out of the region's share)."""
+@dataclass(frozen=True)
+class PlanResult:
+    """What the budget / planner stage hands on to the min-cut, the offload pass and the report."""
+
+    decisions: tuple[Decision, ...] = ()  # one per candidate (and per activation input a model plan places)
+    min_cut_budget: float | None = None  # PyTorch's activation_memory_budget for the min-cut; None: its own
+    chosen_by: str = MIN_CUT  # the reason of a saved value no tag decided: the min-cut, or PyTorch's budget solver
+    model_plan: str = ""  # the ModelPlan's key ("" without one): its values go through stash / unstash
+    placed_inputs: tuple[str, ...] = ()  # the activation inputs the model plan places
+    offload_marks: Mapping[str, str] = field(default_factory=dict)  # joint node -> selector, through views
+    exact: frozenset = frozenset()  # joint nodes a compressing model plan sends to the host unpacked
+    cost: CostModel | None = None  # the model plan's cost model: what each graph is expected to take
+
+    def settled(self, backward: torch.fx.GraphModule, nodes: Mapping[str, object]) -> tuple[Decision, ...]:
+        """The decisions as the partition took them: a planned save or offload the partition did not need (the
+        backward reads a value derived from it, kept for another reason) is ``unneeded``, so decisions and saved
+        bytes agree. ``nodes``: the joint graph's node facts."""
+        saved = {n.name for n in backward.graph.nodes if n.op == "placeholder"}
+
+        def kept(name: str) -> bool:  # the node, or one of its getitems / views, is a backward input
+            return any(s == name or (nodes.get(s) is not None and nodes[s].parent == name) for s in saved)
+
+        return tuple(d if d.action == "recompute" or any(kept(n) for n in d.form or (d.name,)) else
+                     dataclasses.replace(d, action="unneeded", why="the backward reads a value derived from it, "
+                                         "which the partition keeps for another reason")
+                     for d in self.decisions)
+
+
+def _through_views(joint: torch.fx.GraphModule, key: str) -> dict[str, object]:
+    """{joint node name: node.meta[key]} of the nodes that carry ``key``, and of the views and casts of them."""
+    marks: dict[str, object] = {}
+    for node in joint.graph.nodes:
+        if key in node.meta:
+            marks[node.name] = node.meta[key]
+        elif node.op == "call_function" and is_cast_or_view(node) and node.all_input_nodes:
+            parent = node.all_input_nodes[0].name
+            if parent in marks:
+                marks[node.name] = marks[parent]
+    return marks
+
+
+def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: int = 0) -> list[str]:
+    """The joint graph's primal inputs that are activations: dense tensors of at least ``min_bytes`` that are not
+    among ``static_indices`` (AOTAutograd's static inputs: parameters and buffers) and that the graph does not
+    write into. With ``static_indices`` None (a caller that does not say which inputs are parameters) none are:
+    a parameter must never be moved to the host."""
+    if static_indices is None:
+        return []
+    static = set(static_indices)
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    written = {n.args[0] for n in joint.graph.nodes if n.op == "call_function" and
+               getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable and n.args}
+    return [n.name for i, n in enumerate(primals)
+            if i not in static and n not in written and isinstance(n.meta.get("val"), torch.Tensor)
+            and torch._prims_common.is_non_overlapping_and_dense_or_false(n.meta["val"])
+            and tensor_nbytes(n.meta["val"]) >= min_bytes]
+
+
+def _check_pytorch_budget(tags: TagResult) -> None:
+    from torch._functorch import config as functorch_config
+
+    kept = tags.names("MUST_SAVE") | tags.names("MUST_CPU_OFFLOAD")
+    if kept and functorch_config.activation_memory_budget == 0:
+        raise SacpassError(
+            "sacpass: torch._functorch.config.activation_memory_budget is 0, which makes PyTorch's partitioner "
+            f"save only graph inputs and drop every MUST_SAVE tag ({len(kept)} from this policy). Use "
+            "sacpass.backend(memory_budget=0) instead (recompute everything but the must-saves), or set "
+            "PyTorch's budget above 0.")
+
+
+def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None, plan: Plan | None,
+              static_inputs=None) -> PlanResult:
+    """The budget / planner stage (see the module docstring): tags the candidates and says how the min-cut runs.
+    A memory budget without a plan is left to PyTorch's solver over the released regions (see
+    :func:`release_regions`); without either, PyTorch's own ``activation_memory_budget`` must keep the tags
+    (0 drops them: refused). ``static_inputs``: AOTAutograd's static input indices (parameters, buffers), which
+    tell a model plan the activation inputs it places from the weights it never moves."""
+    model_plan = isinstance(plan, ModelPlan)
+    inputs = activation_inputs(gm, static_inputs, plan.min_offload_bytes) \
+        if model_plan and plan.inputs and has_region(gm.graph) else []
+    decisions = _choose(gm, tags, memory_budget=memory_budget, plan=plan, inputs=inputs)
+    budget, chosen_by = None, MIN_CUT
+    if plan is not None:
+        budget = 1.0  # the plan's tags decide; PyTorch's knapsack does not run
+    elif memory_budget is not None:
+        budget = 1.0 if memory_budget == 0 else memory_budget
+        if memory_budget > 0:
+            release_regions(gm.graph)
+            chosen_by = BUDGET
+    else:
+        _check_pytorch_budget(tags)
+    return PlanResult(decisions=decisions, min_cut_budget=budget, chosen_by=chosen_by,
+                      model_plan=plan.key if model_plan else "", placed_inputs=tuple(inputs),
+                      offload_marks=_through_views(gm, OFFLOAD_KEY), exact=frozenset(_through_views(gm, EXACT_KEY)),
+                      cost=plan.cost if model_plan else None)
+
+
+def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
+            plan: Plan | None, inputs=()) -> tuple[Decision, ...]:
+    """Tag the candidates (see the module docstring); returns one Decision per candidate. ``inputs``: the graph
+    inputs a :class:`ModelPlan` places (their bytes come out of the region's share)."""
     if plan is None:
         return ()
     graph = gm.graph
