@@ -7,6 +7,8 @@ and back (``offload``), or ``recompute`` it, to minimise the step time under the
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -24,9 +26,11 @@ class CostModel:
 
     FLOPs come from ``torch.utils.flop_counter``'s formulas (ATen matmuls, attention, ``_scaled_mm``, and
     whatever a model registers for its custom ops with ``register_flop_formula``); bytes are the op's input
-    and output tensor bytes. The defaults are the H200 as measured on it: dense bf16
-    GEMMs at 790 TFLOP/s, blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s
-    each way; ``efficiency`` scales the rates to what whole kernels reach.
+    and output tensor bytes. The defaults are the H200's datasheet-like rates: dense bf16 GEMMs at 790 TFLOP/s,
+    blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s each way; ``efficiency``
+    scales the rates to what whole kernels reach. :func:`sacpass.calibration.calibrate` measures them on the
+    device a plan runs on instead (efficiency 1: the rates are what kernels reached), and ``op_seconds`` holds
+    the measured time of ops at given input shapes (``op_signature``), which wins over the rates for them.
     """
 
     name: str = "h200"
@@ -37,6 +41,15 @@ class CostModel:
     copy_bytes_per_s: float = 51.5 * 2**30  # pinned host <-> device, each way
     efficiency: float = 0.7  # share of the peak rates real kernels reach
     launch_s: float = 4e-6  # per kernel
+    op_seconds: tuple[tuple[str, float], ...] = ()  # (op_signature, measured seconds), sorted
+
+    @functools.cached_property
+    def _measured(self) -> dict[str, float]:
+        return dict(self.op_seconds)
+
+    def measured(self, signature: str) -> float | None:
+        """The measured seconds of the op call of ``signature`` (:func:`sacpass.calibration.op_signature`)."""
+        return self._measured.get(signature)
 
     def flop_rate(self, dtype: torch.dtype) -> float:
         if dtype in (torch.float32, torch.float64):
@@ -53,6 +66,7 @@ class CostModel:
 
 
 PLAN_SHARE = 0.9  # of the host pool's limit: what a plan's values may take, the rest room for the slabs' rounding
+DEVICE_SHARE = 0.85  # of the GPU's memory: a ModelPlan's default peak cap (the rest: the allocator's fragmentation)
 
 
 def default_host_bytes() -> int:
@@ -117,6 +131,10 @@ class Plan:
 class ModelPlan:
     """One plan for every checkpointed region of a step (all layers), whatever graphs they share.
 
+    ``sacpass.ModelPlan()`` needs no arguments: it counts the step's regions, takes its budgets from the device
+    and the host, and measures its cost model on the device it runs on. Every field below overrides one of
+    those.
+
     Layers of one kind share one compiled graph, so a per-graph :class:`Plan` gives the first layer and the
     last the same decisions, though the last layer's backward runs first and has no time to hide its reloads.
     A ModelPlan decides in two places:
@@ -127,20 +145,30 @@ class ModelPlan:
       ``sacpass::stash`` / ``sacpass::unstash``;
     - at run time, per value and region: keep it on the device or copy it to the host pool. The regions are
       numbered by their order in the step (the n-th forward since the last backward). From the last region
-      backwards, values stay on the device while ``gpu_bytes`` lasts (their backward comes first, their
+      backwards, values stay on the device while the device budget lasts (their backward comes first, their
       reloads would have nothing to hide behind); the rest goes to the host, within ``host_bytes``. Every step
       is placed from the sizes the step before it recorded (:func:`sacpass.offload.placements`); the first,
       which has none, places the same way with each region still to come as large as the largest before it,
       so its host pool grows no larger than the later steps need.
 
-    layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host.
-    gpu_bytes: device bytes the step may keep beyond the must-saves, all regions together.
-    host_bytes: host bytes the step may offload, all regions together; None: :func:`default_host_bytes`.
+    layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host. None (the
+               default): counted in the first training step, which then runs uncompiled (the graphs that hold a
+               checkpointed region run eagerly, as full recompute) while the plan counts the regions and times
+               the heavy ops (matrix ops, custom ops) at their shapes; the graphs compile at the second step.
+    gpu_bytes: device bytes the step keeps beyond the must-saves, all regions together. None (the default): it
+               starts at 0 and follows the measured peak (see ``peak_bytes``) up to ``DEVICE_SHARE`` of the GPU's
+               memory (none on the CPU).
+    host_bytes: host bytes the step may offload, all regions together; None: :func:`default_host_bytes`, this
+               process's share of the host (physical memory, the cgroup limit and what is available, over the
+               launcher's local ranks: :mod:`sacpass.host`).
     inputs:    also place each region's activation inputs (a decoder layer's hidden states, which activation
                checkpointing otherwise keeps on the device for every layer) like its planned values: kept on
                the device for the last regions, offloaded for the rest. Parameters and buffers (the graph's
                static inputs) never move. Their bytes come out of the region's share first.
-    hide, min_offload_bytes, cost: as in :class:`Plan`, per region.
+    hide, min_offload_bytes: as in :class:`Plan`, per region.
+    cost:      the cost model; None (the default): measured on the device (:func:`sacpass.calibration.calibrate`:
+               copy rates each way, matrix rates, memory bandwidth, kept in the compile cache's directory so a
+               restart reuses them) with the first step's op times where it counted the regions.
     compress:  None (default): values go to the host as they are, and come back bit for bit. ``"fp8"``: the
                floating values sent to the host go FP8-packed (float8 e4m3, one fp32 scale per 128 elements:
                0.52 of a bf16 value's bytes, :mod:`sacpass.compression`) and come back rebuilt in their dtype.
@@ -154,29 +182,29 @@ class ModelPlan:
                it times its gradient (a difference of near-equal terms that packing disturbs most). The planner
                counts their full bytes. A selector that names no value the plan considers is reported like an
                unmatched policy selector.
-    peak_bytes: None (default): the step keeps ``gpu_bytes`` on the device. An int: the device memory the step
-               may peak at (``torch.cuda.max_memory_allocated``; e.g. full recompute's peak, measured, or the
-               GPU's memory less a margin). After each step the run time reads that peak and raises the device
+    peak_bytes: the device memory the step may peak at (``torch.cuda.max_memory_allocated``; e.g. full
+               recompute's peak, measured). After each step the run time reads that peak and raises the device
                budget by what it left under ``peak_bytes``, so the next step keeps more of the last regions'
                values on the device instead of copying them (``gpu_bytes`` is where it starts). A value kept
                instead of copied adds its bytes at most to any moment of the step, so the peak stays within
                ``peak_bytes``; a step that passes it anyway (the peak rose past it) lowers the budget by the
                excess, never below ``gpu_bytes``, and one whose budget is already there warns. The peak read is
                the highest since the last ``torch.cuda.reset_peak_memory_stats()``: reset it after the compiling
-               step if that one peaks higher. The budget, the cap and the peak read:
+               step if that one peaks higher. None: ``DEVICE_SHARE`` of the GPU's memory where ``gpu_bytes`` is
+               None too, else no cap (the step keeps ``gpu_bytes``). The budget, the cap and the peak read:
                :func:`sacpass.offload.device_budget`.
 
     A step whose values fit neither budget raises :class:`~sacpass.OffloadError` naming the smallest budgets
     that hold it, before the host pool runs out.
     """
 
-    layers: int
-    gpu_bytes: int = 0
+    layers: int | None = None
+    gpu_bytes: int | None = None
     host_bytes: int | None = None
     inputs: bool = True
     hide: float = 0.8
     min_offload_bytes: int = 1 << 20
-    cost: CostModel = field(default_factory=CostModel)
+    cost: CostModel | None = None
     compress: str | None = None
     peak_bytes: int | None = None
     exact: tuple = ()
@@ -185,9 +213,10 @@ class ModelPlan:
         object.__setattr__(self, "exact", _exact_selectors(self.exact, self.compress))
         if self.peak_bytes is not None and (isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, int)
                                             or self.peak_bytes <= 0):
-            raise BackendOptionError(f"sacpass: ModelPlan(peak_bytes={self.peak_bytes!r}) must be None (keep gpu_bytes "
-                                     f"on the device) or an int > 0: the device memory the step may peak at, e.g. "
-                                     f"full recompute's torch.cuda.max_memory_allocated().")
+            raise BackendOptionError(f"sacpass: ModelPlan(peak_bytes={self.peak_bytes!r}) must be None (the GPU's "
+                                     f"memory less a margin, or no cap with gpu_bytes given) or an int > 0: the "
+                                     f"device memory the step may peak at, e.g. full recompute's "
+                                     f"torch.cuda.max_memory_allocated().")
         if self.compress not in (None, "fp8"):
             raise BackendOptionError(f"sacpass: ModelPlan(compress={self.compress!r}) is not a compression; pass None "
                                      f"(values go to the host as they are, the default) or 'fp8' (floating values "
@@ -195,18 +224,67 @@ class ModelPlan:
         if not isinstance(self.inputs, bool):
             raise BackendOptionError(f"sacpass: ModelPlan(inputs={self.inputs!r}) must be True (place the regions' "
                                      f"activation inputs too) or False (keep them on the device).")
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+        if self.layers is not None and (isinstance(self.layers, bool) or not isinstance(self.layers, int)
+                                        or self.layers < 1):
             raise BackendOptionError(f"sacpass: ModelPlan(layers={self.layers!r}) is invalid; pass the number of "
-                                     f"checkpointed regions one step runs (e.g. len(model.layers)), an int >= 1.")
-        Plan(gpu_bytes=self.gpu_bytes, host_bytes=self.host_bytes, hide=self.hide,  # the shared checks
-             min_offload_bytes=self.min_offload_bytes, cost=self.cost)
+                                     f"checkpointed regions one step runs (e.g. len(model.layers)), an int >= 1, or "
+                                     f"None to have the plan count them in the first step.")
+        if self.gpu_bytes is not None and (isinstance(self.gpu_bytes, bool) or not isinstance(self.gpu_bytes, int)
+                                           or self.gpu_bytes < 0):
+            raise BackendOptionError(f"sacpass: ModelPlan(gpu_bytes={self.gpu_bytes!r}) is invalid; gpu_bytes must be "
+                                     f"an int >= 0 (device bytes, all regions together), or None to follow the "
+                                     f"measured peak.")
+        if self.cost is not None and not isinstance(self.cost, CostModel):
+            raise BackendOptionError(f"sacpass: ModelPlan(cost={self.cost!r}) is invalid; cost must be a "
+                                     f"sacpass.CostModel, or None to measure it on the device.")
+        Plan(host_bytes=self.host_bytes, hide=self.hide, min_offload_bytes=self.min_offload_bytes)  # shared checks
+
+    @property
+    def counts_regions(self) -> bool:
+        """Whether the plan counts the step's regions in a first, uncompiled step (``layers`` not given)."""
+        return self.layers is None
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every budget and the cost model are set: what a compile partitions with."""
+        return self.layers is not None and self.gpu_bytes is not None and self.cost is not None
+
+    def resolve(self, device, regions: int | None = None, op_seconds: dict | None = None,
+                calibrate=None) -> "ModelPlan":
+        """This plan with nothing left to decide, for ``device``: ``layers`` from ``regions`` (counted), the cost
+        model measured there (``calibrate(device, op_seconds=...)``, by default
+        :func:`sacpass.calibration.calibrate`, with the counted step's op times), the device budget from 0 under
+        ``DEVICE_SHARE`` of its memory."""
+        import torch
+
+        if self.resolved:
+            return self
+        layers = self.layers if self.layers is not None else regions
+        if layers is None:
+            raise BackendOptionError("sacpass: ModelPlan() counts the step's regions in its first training step; "
+                                     "resolve it with the count (regions=...), or pass layers=.")
+        cost = self.cost
+        if cost is None:
+            from .calibration import calibrate as measure
+            cost = (calibrate or measure)(device, op_seconds=op_seconds)
+        peak = self.peak_bytes
+        device = torch.device(device)
+        if self.gpu_bytes is None and peak is None and device.type == "cuda":
+            peak = int(DEVICE_SHARE * torch.cuda.get_device_properties(device).total_memory)
+        return dataclasses.replace(self, layers=layers, gpu_bytes=self.gpu_bytes or 0, cost=cost, peak_bytes=peak)
 
     def host_budget(self) -> int:
         return self.host_bytes if self.host_bytes is not None else default_host_bytes()
 
+    def _require_resolved(self, what: str) -> None:
+        if not self.resolved:
+            raise BackendOptionError(f"sacpass: {self!r} has {what} only once resolved (ModelPlan.resolve): the backend "
+                                     f"does that at the compile, after counting the regions where layers is None.")
+
     @property
     def key(self) -> str:
         """What the compiled graphs name this plan by (its stash ops' argument): its budgets."""
+        self._require_resolved("a key")
         return (f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()},inputs={int(self.inputs)}"
                 + (f",compress={self.compress}" if self.compress else "")
                 + (f",peak={self.peak_bytes}" if self.peak_bytes is not None else ""))
@@ -215,6 +293,7 @@ class ModelPlan:
         """The bytes one region may keep, on the device or the host, if every region of the step ran its graph.
         With ``compress``, in packed bytes: the device's part, which stays unpacked, counts at the packing ratio
         of bf16, so that the regions the device cannot hold fit ``host_bytes`` packed."""
+        self._require_resolved("a region share")
         gpu = int(self.gpu_bytes * BF16_RATIO) if self.compress else self.gpu_bytes
         return (self.host_budget() + gpu) // self.layers
 
@@ -222,8 +301,7 @@ class ModelPlan:
         """The per-graph part: the region's share less ``placed_inputs`` (the bytes of its activation inputs,
         which are placed whatever the planner decides), for the values the planner chooses."""
         return Plan(gpu_bytes=0, host_bytes=max(0, self.region_share() - placed_inputs), layers=self.layers,
-                    hide=self.hide,
-                    min_offload_bytes=self.min_offload_bytes, cost=self.cost)
+                    hide=self.hide, min_offload_bytes=self.min_offload_bytes, cost=self.cost)
 
 
 def _exact_selectors(exact, compress) -> tuple:
@@ -255,17 +333,24 @@ def declared_plan(key: str) -> "ModelPlan | None":
     return _DECLARED.get(key)
 
 
+def declare(plan: ModelPlan) -> ModelPlan:
+    """Make a resolved model plan known to this process's runtime (by its key), before any graph runs."""
+    _DECLARED.setdefault(plan.key, plan)
+    return plan
+
+
 def as_plan(plan) -> Plan | ModelPlan | None:
-    """``None``, ``"auto"`` (the default :class:`Plan`), a Plan or a ModelPlan; anything else is refused."""
+    """``None``, ``"auto"`` (a :class:`ModelPlan` with no arguments), a Plan or a ModelPlan; anything else is
+    refused."""
     if isinstance(plan, ModelPlan):
-        _DECLARED.setdefault(plan.key, plan)  # before any graph runs, cached ones included
-        return plan
+        return declare(plan) if plan.resolved else plan
     if plan is None or isinstance(plan, Plan):
         return plan
     if plan == "auto":
-        return Plan()
-    raise BackendOptionError(f"sacpass: plan={plan!r} is not a plan; pass plan='auto', a sacpass.Plan(...) with "
-                             f"budgets, a sacpass.ModelPlan(layers=...) for the whole step, or None (no planner).")
+        return ModelPlan()
+    raise BackendOptionError(f"sacpass: plan={plan!r} is not a plan; pass plan='auto' (sacpass.ModelPlan(), which "
+                             f"needs no arguments), a sacpass.ModelPlan(...) with overrides, a sacpass.Plan(...) with "
+                             f"per-graph budgets, or None (no planner).")
 
 
 def check_memory_budget(memory_budget) -> float | None:

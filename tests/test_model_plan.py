@@ -67,6 +67,7 @@ def _eager():
 
 
 def _plan(gpu, host, **kw):
+    kw.setdefault("cost", sacpass.CostModel())  # fixed rates: the decisions pinned here do not follow this machine's
     return sacpass.ModelPlan(layers=LAYERS, gpu_bytes=gpu, host_bytes=host, min_offload_bytes=0, **kw)
 
 
@@ -130,7 +131,7 @@ def test_the_per_region_share_decides_what_is_recomputed():
 def test_a_step_past_the_budgets_raises_naming_the_smallest_that_hold_it():
     """Compiled for 2 layers, run with 4: the first step finds it has passed host + gpu bytes, the error
     names the fix before the host pool runs out."""
-    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=2 * REGION, min_offload_bytes=0)
+    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=2 * REGION, min_offload_bytes=0, cost=sacpass.CostModel())
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
         with pytest.raises(sacpass.OffloadError, match=r"more regions than layers=2 \(pass the real count\)"):
@@ -167,7 +168,7 @@ def test_a_second_backward_through_a_value_kept_on_the_device_is_refused():
 
 
 def test_model_plan_checks_its_arguments():
-    for bad in (0, -1, True, 2.0, None):
+    for bad in (0, -1, True, 2.0, "16"):
         with pytest.raises(sacpass.BackendOptionError, match=r"ModelPlan\(layers="):
             sacpass.ModelPlan(layers=bad)
     with pytest.raises(sacpass.BackendOptionError, match="gpu_bytes"):
@@ -175,14 +176,15 @@ def test_model_plan_checks_its_arguments():
     with pytest.raises(sacpass.BackendOptionError, match="host_bytes"):
         sacpass.ModelPlan(layers=2, host_bytes=1.5)
     assert sacpass.backend(plan=sacpass.ModelPlan(layers=3)).config.plan == sacpass.ModelPlan(layers=3)
-    assert sacpass.ModelPlan(layers=3, gpu_bytes=1).key != sacpass.ModelPlan(layers=3).key
-    assert sacpass.ModelPlan(layers=3, inputs=False).key != sacpass.ModelPlan(layers=3).key
+    fixed = dict(layers=3, gpu_bytes=0, cost=sacpass.CostModel())
+    assert sacpass.ModelPlan(**{**fixed, "gpu_bytes": 1}).key != sacpass.ModelPlan(**fixed).key
+    assert sacpass.ModelPlan(**fixed, inputs=False).key != sacpass.ModelPlan(**fixed).key
     with pytest.raises(sacpass.BackendOptionError, match="inputs"):
         sacpass.ModelPlan(layers=2, inputs=1)
     for bad in (0, -5, 1.5, True, "77G"):
         with pytest.raises(sacpass.BackendOptionError, match=r"ModelPlan\(peak_bytes=.*max_memory_allocated"):
             sacpass.ModelPlan(layers=2, peak_bytes=bad)
-    assert sacpass.ModelPlan(layers=3, peak_bytes=1 << 30).key != sacpass.ModelPlan(layers=3).key
+    assert sacpass.ModelPlan(**fixed, peak_bytes=1 << 30).key != sacpass.ModelPlan(**fixed).key
 
 
 def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
@@ -386,7 +388,8 @@ def test_glm_layers_place_their_hidden_states_and_the_shared_top_k_ids_and_match
     eager = GLM52ForCausalLM(GLM52Config.tiny(num_layers=4, mtp_layers=0))
     cfg = eager.cfg
     assert not cfg.is_full_topk_layer(2) and cfg.is_full_topk_layer(1)  # layer 2 reads layer 1's IDs
-    plan = sacpass.ModelPlan(layers=4, gpu_bytes=1 << 20, host_bytes=1 << 24, min_offload_bytes=0)
+    plan = sacpass.ModelPlan(layers=4, gpu_bytes=1 << 20, host_bytes=1 << 24, min_offload_bytes=0,
+                             cost=sacpass.CostModel())
     ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     eager.zero_grad()
     loss_e = eager(ids, labels=ids)

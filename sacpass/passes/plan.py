@@ -35,6 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..errors import SacpassError, warn
 from ..nodes import (backward_part, is_cast_or_view, is_cheap_unary, is_getitem, is_view, module_path, node_op,
                      op_name, size_hint, tensor_nbytes, unpackers)
+from ..calibration import op_signature
 from ..compression import packed_bytes
 from ..offload.sizes import host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
@@ -70,10 +71,16 @@ def _tensor_bytes(val) -> int:
 
 
 def node_seconds(node: torch.fx.Node, cost: CostModel) -> float:
-    """Estimated run time of one node (0 for views, getitems and placeholders)."""
+    """Estimated run time of one node (0 for views, getitems and placeholders): the cost model's measured time
+    for this op at these input shapes, else its rates."""
     op = node_op(node)
     if op is None or is_view(node) or is_getitem(node):
         return 0.0
+    if cost.op_seconds:  # measured at these shapes on this device
+        values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        measured = cost.measured(op_signature(op, values))
+        if measured is not None:
+            return measured
     from torch.utils.flop_counter import flop_registry
 
     flops = 0.0
@@ -352,9 +359,9 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     :func:`release_regions`); without either, PyTorch's own ``activation_memory_budget`` must keep the tags
     (0 drops them: refused). ``static_inputs``: AOTAutograd's static input indices (parameters, buffers), which
     tell a model plan the activation inputs it places from the weights it never moves."""
-    model_plan = isinstance(plan, ModelPlan)
-    inputs = activation_inputs(gm, static_inputs, plan.min_offload_bytes) \
-        if model_plan and plan.inputs and has_region(gm.graph) else []
+    model_plan = isinstance(plan, ModelPlan) and has_region(gm.graph)  # a graph without regions: nothing to place
+    assert not model_plan or plan.resolved, "sacpass: a graph with regions partitioned before its model plan resolved"
+    inputs = activation_inputs(gm, static_inputs, plan.min_offload_bytes) if model_plan and plan.inputs else []
     decisions = _choose(gm, tags, memory_budget=memory_budget, plan=plan, inputs=inputs)
     budget, chosen_by = None, MIN_CUT
     if plan is not None:
@@ -376,9 +383,14 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
             plan: Plan | None, inputs=()) -> tuple[Decision, ...]:
     """Tag the candidates (see the module docstring); returns one Decision per candidate. ``inputs``: the graph
     inputs a :class:`ModelPlan` places (their bytes come out of the region's share)."""
+    graph = gm.graph
     if plan is None:
         return ()
-    graph = gm.graph
+    if not has_region(graph):
+        warn("sacpass: the planner chooses what checkpointed regions keep; this graph has no checkpointed "
+             "region, so PyTorch's partitioner decides it alone. Wrap the layers in torch.utils.checkpoint inside "
+             "the compiled function to plan them.")
+        return ()
     placed_inputs: list[Decision] = []
     compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
     exact = plan.exact if isinstance(plan, ModelPlan) else ()
@@ -388,11 +400,6 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()
     cands = _candidates(graph, backward)
-    if not has_region(graph):
-        warn("sacpass: the planner chooses what checkpointed regions keep; this graph has no checkpointed "
-             "region, so PyTorch's partitioner decides it alone. Wrap the layers in torch.utils.checkpoint inside "
-             "the compiled function to plan them.")
-        return ()
     _attribute_costs(graph, backward, cands, cost)
     total = sum(c.nbytes for c in cands.values())
     gpu_left = int(memory_budget * total) if memory_budget is not None else plan.gpu_bytes
