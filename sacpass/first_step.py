@@ -79,10 +79,10 @@ class FirstStep:
 
 class DeferredGraph:
     """What the backend gives Dynamo for a graph that holds a checkpointed region while the plan counts: the
-    graph run by :meth:`FirstStep.run` until the first step's backward has begun, then ``compile(args)`` (the
-    backend's compile, with the plan resolved) once, under the tracing context Dynamo traced the graph in (its
-    fake tensors and shape environment: a graph traced with dynamic shapes compiles for them), as Dynamo itself
-    compiles a graph it specializes at run time."""
+    graph run by :meth:`FirstStep.run` until the first step's backward has begun, then ``compile(inputs)`` (the
+    backend's compile, with the plan resolved) once, on the fake inputs Dynamo traced it with and under the
+    tracing context it traced it in (its fake mode and shape environment: a graph traced with dynamic shapes
+    compiles for them), as Dynamo itself compiles a graph it specializes at run time."""
 
     def __init__(self, gm: torch.fx.GraphModule, first: FirstStep,
                  compile: Callable[[list], Callable[..., Any]]):
@@ -90,6 +90,12 @@ class DeferredGraph:
         self.tracing = torch._guards.TracingContext.try_get()
         self.compiled: Callable[..., Any] | None = None
         self._lock = threading.Lock()
+
+    def example_inputs(self) -> list:
+        """The inputs Dynamo traced the graph with, as its fake tensors (and symbolic sizes): what the compile
+        sees, so that it partitions the graph Dynamo traced (real inputs of a later call would be fakified anew,
+        their sizes taken as new symbols)."""
+        return [n.meta["example_value"] for n in self.gm.graph.find_nodes(op="placeholder")]
 
     def __call__(self, *args):
         if self.compiled is None:
@@ -99,5 +105,5 @@ class DeferredGraph:
                 if self.compiled is None:
                     scope = torch._guards.tracing(self.tracing) if self.tracing is not None else contextlib.nullcontext()
                     with scope:
-                        self.compiled = self._compile(list(args))
+                        self.compiled = self._compile(self.example_inputs())
         return self.compiled(*args)
