@@ -176,10 +176,13 @@ class ModelPlan:
                equal to, the forward's; the planner counts the packed bytes against ``host_bytes`` and the copy
                window, so about twice as much fits. Values kept on the device, and integer and bool values
                (indices, masks: discrete decisions), are never packed.
-    exact:     with ``compress``: selectors (op names, ``"module::op"`` strings, OpOverloads, as the policy's) of
-               values sent to the host as they are, bit for bit, while the rest go packed; e.g.
-               ``exact="glm52::sparse_mla"`` keeps the attention output exact, whose backward takes row sums of
-               it times its gradient (a difference of near-equal terms that packing disturbs most). The planner
+    exact:     with ``compress``, the values sent to the host as they are, bit for bit, while the rest go packed.
+               None (the default): the values the backward is sensitive to, those it sums times their own
+               gradient (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``: differences of near-equal
+               terms that packing disturbs most), seen in the joint graph as a custom op or a softmax backward
+               reading the value with a gradient of its shape, or a ``mul`` of the two reduced by a ``sum``; e.g.
+               the attention output of ``glm52::sparse_mla``. Selectors (op names, ``"module::op"`` strings,
+               OpOverloads, as the policy's) name them instead; ``()`` packs every floating value. The planner
                counts their full bytes. A selector that names no value the plan considers is reported like an
                unmatched policy selector.
     peak_bytes: the device memory the step may peak at (``torch.cuda.max_memory_allocated``; e.g. full
@@ -207,7 +210,7 @@ class ModelPlan:
     cost: CostModel | None = None
     compress: str | None = None
     peak_bytes: int | None = None
-    exact: tuple = ()
+    exact: tuple | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exact", _exact_selectors(self.exact, self.compress))
@@ -305,10 +308,13 @@ class ModelPlan:
 
 
 def _exact_selectors(exact, compress) -> tuple:
-    """ModelPlan(exact=): op and module-op selectors only (they print and hash as they read), with compress."""
+    """ModelPlan(exact=): None (the sensitive values), or op and module-op selectors only (they print and hash as
+    they read), with compress."""
     from .selectors import ModuleOpSelector, OpSelector, as_selectors
 
-    if exact is None or exact == ():
+    if exact is None:
+        return None
+    if exact == ():
         return ()
     spelled = (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, OpSelector, ModuleOpSelector)
     items = [exact] if isinstance(exact, spelled) or not isinstance(exact, (list, tuple)) else list(exact)

@@ -219,6 +219,54 @@ def _attribute_costs(graph: torch.fx.Graph, backward: set[torch.fx.Node], cands:
             cands[w].seconds += share
 
 
+def _from_tangents(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The joint graph's nodes computed from tangents: gradients, and what is computed from them."""
+    grads: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
+                any(inp in grads for inp in node.all_input_nodes):
+            grads.add(node)
+    return grads
+
+
+_SUMS_VALUE_TIMES_GRADIENT = ("aten::_softmax_backward_data", "aten::_log_softmax_backward_data")
+
+
+def _sensitive(cand: _Candidate, grads: set[torch.fx.Node]) -> str:
+    """Why the backward is sensitive to ``cand``'s values, or "": where it sums a value times its own gradient
+    (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``), a difference of near-equal terms that a
+    lossy copy of the value disturbs most. Seen as: a custom op or a softmax backward that reads the value with a
+    gradient of the value's shape, or a ``mul`` of the two that a ``sum`` over a dimension reduces."""
+    for value in cand.form if cand.form is not None else cand.outputs:
+        val = value.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        seen, stack, readers = {value}, [value], []
+        while stack:  # the value, and its views and casts (a detach, a layout copy)
+            for user in stack.pop().users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user not in grads and is_cast_or_view(user):
+                    stack.append(user)
+                else:
+                    readers.append(user)
+        for user in readers:
+            op = node_op(user)
+            if op is None or user not in grads:
+                continue
+            same = [g for g in user.all_input_nodes if g not in seen and g in grads
+                    and isinstance(g.meta.get("val"), torch.Tensor) and g.meta["val"].shape == val.shape]
+            if not same:
+                continue
+            name = op_name(user).split(".")[0]
+            if op.namespace not in ("aten", "prims") or name in _SUMS_VALUE_TIMES_GRADIENT:
+                return f"{name} reads it with its gradient"
+            if name == "aten::mul" and any(node_op(u) is torch.ops.aten.sum.dim_IntList for u in user.users):
+                return "its backward sums it times its gradient"
+    return ""
+
+
 def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool, exact: str = "") -> None:
     kept = cand.form if cand.form is not None else [cand.node] + [u for u in unpackers(cand.node)]
     for t in kept:
@@ -394,6 +442,7 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
     placed_inputs: list[Decision] = []
     compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
     exact = plan.exact if isinstance(plan, ModelPlan) else ()
+    grads = _from_tangents(graph) if compress and exact is None else set()  # exact=None: the sensitive values
     if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
         placed_inputs, on_host = _input_decisions(graph, inputs, plan.cost, compress)
         plan = plan.region_plan(on_host)
@@ -411,7 +460,9 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
     decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
         # what the host pool really hands out for it (a block per tensor), and what its copy moves
-        named = next((str(sel) for sel in exact if sel(c.node)), "")  # kept bit for bit: never packed
+        # kept bit for bit, never packed: what exact= names, or by default what the backward is sensitive to
+        named = next((str(sel) for sel in exact if sel(c.node)), "") if exact is not None else \
+            (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else "")
         on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress and not named)
         copy_ms = 1e3 * cost.copy_seconds(copied)
         if c.nbytes <= gpu_left:
@@ -424,6 +475,8 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             if copied < c.nbytes:
                 why += f"; on the host FP8-packed ({copied} bytes, lossy)"
+            elif named.startswith("sensitive: "):
+                why += f"; on the host unpacked ({named.removeprefix('sensitive: ')})"
             elif named:
                 why += f"; on the host unpacked (exact={named})"
             _tag(tags, c, OFFLOAD, offload=True, exact=named)
