@@ -19,7 +19,9 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 ``torch._functorch.config.activation_memory_budget=--budget``), and ``model_plan``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib, peak_bytes=--peak-gib)``:
 one plan for all layers, placed per layer at run time; ``--peak-gib control`` caps the peak at control's, measured
-first in the same command); ``model_plan_fp8`` is the same with ``compress="fp8"`` (lossy: the values
+first in the same command); ``model_plan_auto`` is ``sacpass.ModelPlan()`` with no arguments but ``--peak-gib``
+(its first step runs uncompiled while it counts the layers, so it compiles in the first warm-up step);
+``model_plan_fp8`` is the same as ``model_plan`` with ``compress="fp8"`` (lossy: the values
 sent to the host go FP8-packed, but for those ``--exact`` names; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
@@ -93,6 +95,7 @@ def backends(args) -> dict:
         "model_plan": lambda x: sacpass.backend(inner=inner, plan=model_plan(args, args.gpu_gib if x is None else x)),
         "model_plan_fp8": lambda x: sacpass.backend(
             inner=inner, plan=model_plan(args, args.gpu_gib if x is None else x, compress="fp8")),
+        "model_plan_auto": lambda _: sacpass.backend(inner=inner, plan=sacpass.ModelPlan(peak_bytes=peak_bytes(args))),
         "budget": lambda x: sacpass.backend(inner=inner, memory_budget=args.budget if x is None else x),
         "pytorch_budget": lambda _: inner,
     }
@@ -359,6 +362,11 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
            "decisions": [dict(graph=r.graph, **dataclasses.asdict(d)) for r in reports for d in r.decisions],
            "recomputed_per_graph": [dict(r.recomputed) for r in reports]}
     if isinstance(plan, sacpass.ModelPlan):
+        cost = plan.cost
+        row["plan"] = {"layers": plan.layers, "gpu_bytes": plan.gpu_bytes, "host_bytes": plan.host_budget(),
+                       "peak_bytes": plan.peak_bytes, "cost": {k: v for k, v in dataclasses.asdict(cost).items()
+                                                               if k != "op_seconds"},
+                       "measured_ops": len(cost.op_seconds)}
         row["placements"] = offload_runtime.placements(plan)
         row["device_budget"] = offload_runtime.device_budget(plan)
         print(f"{spec}: where the last timed step put each region's values\n{offload_runtime.format_placements(plan)}",
@@ -373,7 +381,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
             row["profile"] = profile_step(model, ids, sync)
         if args.memory:
             row["memory_phases"] = memory_phases(model, ids, segments=args.segments)
-    limit = offload_runtime.prefetch_limit()
+    limit = offload_runtime.prefetch_limit(device)
     row["prefetch_limit_gib"] = None if limit is None else limit / GIB
     del model, be
     gc.collect()

@@ -28,7 +28,8 @@ from .errors import warn
 from .frames import running
 from .options import check_mode, check_options, options_key
 from .partitioner.context import CompileContext, GraphIds, PartitionConfig, PartitionResult, active
-from .plan import Plan, as_plan, check_memory_budget
+from .first_step import DeferredGraph, FirstStep, checkpoint_regions_in, device_of, trains
+from .plan import ModelPlan, Plan, as_plan, check_memory_budget, declare
 from .policies import Policy, note_registry_used
 from .report import Report
 from .selector_check import SelectorCheck, plan_exact, unmatched
@@ -87,6 +88,8 @@ class Backend:
                                     save_collectives=save_collectives, save_discrete=save_discrete)
         self._config = PartitionConfig(policy=self._policy, strict=strict,
                                        memory_budget=check_memory_budget(memory_budget), plan=as_plan(plan))
+        self._resolved_plan: ModelPlan | None = None  # the model plan with nothing left to decide (see resolve)
+        self._first_step = FirstStep()  # where a model plan that counts its regions counts them
         dump_dir = dump_dir if dump_dir is not None else os.environ.get("SACPASS_DUMP_DIR") or None
         self.dumper = Dumper(dump_dir) if dump_dir else None
         self.reports: list[Report] = []
@@ -101,11 +104,28 @@ class Backend:
 
     @property
     def config(self) -> PartitionConfig:
-        """The config a compile starting now partitions under (the registry read now)."""
+        """The config a compile starting now partitions under (the registry read now; the model plan as resolved,
+        once it is)."""
+        config = self._config
+        if self._resolved_plan is not None:
+            config = dataclasses.replace(config, plan=self._resolved_plan)
         if not self.use_registered:
-            return self._config
+            return config
         policy = self._policy.with_registry()
-        return self._config if policy is self._policy else dataclasses.replace(self._config, policy=policy)
+        return config if policy is self._policy else dataclasses.replace(config, policy=policy)
+
+    @property
+    def plan(self):
+        """The plan compiles use: a model plan as resolved (its regions counted, its costs measured) once it is,
+        else as given."""
+        return self.config.plan
+
+    def resolve_plan(self, device, regions: int | None = None, op_seconds: dict | None = None) -> None:
+        """Fix what the model plan left open, for ``device`` (see :meth:`sacpass.ModelPlan.resolve`); once."""
+        with self._lock:
+            if self._resolved_plan is None:
+                self._resolved_plan = declare(self._config.plan.resolve(device, regions=regions,
+                                                                       op_seconds=op_seconds))
 
     @property
     def policy(self) -> Policy:
@@ -150,7 +170,24 @@ class Backend:
                  "sacpass's must-save tags have no effect. Put the checkpoint inside the compiled function: "
                  "compile(checkpoint(f)).")
         repair_module_paths_pass(gm)
-        ctx = self.open_context(tuple(route_checkpoints_pass(gm)))
+        routed = tuple(route_checkpoints_pass(gm))
+        plan = self._config.plan
+        if isinstance(plan, ModelPlan) and not plan.resolved and self._resolved_plan is None and \
+                checkpoint_regions_in(gm) and trains(example_inputs):
+            if plan.counts_regions:  # the first step runs uncompiled; the graph compiles at the second
+                return DeferredGraph(gm, self._first_step, lambda args: self._compile_counted(gm, args, routed))
+            self.resolve_plan(device_of(example_inputs))
+        return self._compile_graph(gm, example_inputs, routed)
+
+    def _compile_counted(self, gm: torch.fx.GraphModule, args: list, routed: tuple[str, ...]):
+        """A deferred graph's compile, after the first step: the plan resolved from what that step counted."""
+        first = self._first_step
+        self.resolve_plan(first.device or device_of(args), regions=first.regions, op_seconds=first.op_seconds())
+        return self._compile_graph(gm, args, routed)
+
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any], routed: tuple[str, ...]):
+        """One graph through sacpass's partition (see the module docstring), its results published."""
+        ctx = self.open_context(routed)
         self._warn_uncached(ctx)
         key = report_store.artifact_key(gm, example_inputs, ctx.uuid, self.inner)
         hits = report_store.cache_hits()
@@ -160,7 +197,7 @@ class Backend:
             note_registry_used()
         for result in ctx.results:
             self._publish(result, key)
-        if (self.policy.explicit or plan_exact(self.config.plan)) and not self._selector_check.done:
+        if (self.policy.explicit or plan_exact(self.plan)) and not self._selector_check.done:
             compiled = self._selector_check.wrap(compiled)
         self._account_unpartitioned(ctx, example_inputs, key, hit=report_store.cache_hits() > hits)
         return compiled

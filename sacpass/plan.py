@@ -7,6 +7,8 @@ and back (``offload``), or ``recompute`` it, to minimise the step time under the
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -14,7 +16,6 @@ import torch
 
 from .compression import BF16_RATIO
 from .errors import BackendOptionError
-from .host import physical_memory
 
 __all__ = ["CostModel", "Plan", "ModelPlan", "as_plan"]
 
@@ -25,9 +26,11 @@ class CostModel:
 
     FLOPs come from ``torch.utils.flop_counter``'s formulas (ATen matmuls, attention, ``_scaled_mm``, and
     whatever a model registers for its custom ops with ``register_flop_formula``); bytes are the op's input
-    and output tensor bytes. The defaults are the H200 as measured on it: dense bf16
-    GEMMs at 790 TFLOP/s, blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s
-    each way; ``efficiency`` scales the rates to what whole kernels reach.
+    and output tensor bytes. The defaults are the H200's datasheet-like rates: dense bf16 GEMMs at 790 TFLOP/s,
+    blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s each way; ``efficiency``
+    scales the rates to what whole kernels reach. :func:`sacpass.calibration.calibrate` measures them on the
+    device a plan runs on instead (efficiency 1: the rates are what kernels reached), and ``op_seconds`` holds
+    the measured time of ops at given input shapes (``op_signature``), which wins over the rates for them.
     """
 
     name: str = "h200"
@@ -38,6 +41,15 @@ class CostModel:
     copy_bytes_per_s: float = 51.5 * 2**30  # pinned host <-> device, each way
     efficiency: float = 0.7  # share of the peak rates real kernels reach
     launch_s: float = 4e-6  # per kernel
+    op_seconds: tuple[tuple[str, float], ...] = ()  # (op_signature, measured seconds), sorted
+
+    @functools.cached_property
+    def _measured(self) -> dict[str, float]:
+        return dict(self.op_seconds)
+
+    def measured(self, signature: str) -> float | None:
+        """The measured seconds of the op call of ``signature`` (:func:`sacpass.calibration.op_signature`)."""
+        return self._measured.get(signature)
 
     def flop_rate(self, dtype: torch.dtype) -> float:
         if dtype in (torch.float32, torch.float64):
@@ -53,13 +65,25 @@ class CostModel:
         return nbytes / self.copy_bytes_per_s
 
 
+PLAN_SHARE = 0.9  # of the host pool's limit: what a plan's values may take, the rest room for the slabs' rounding
+DEVICE_SHARE = 0.85  # of the GPU's memory: a ModelPlan's default peak cap (the rest: the allocator's fragmentation)
+
+
+def default_host_bytes() -> int:
+    """The host bytes a plan spends by default, all its layers together: ``PLAN_SHARE`` of the host pool's limit,
+    which is this process's share of the host (:mod:`sacpass.host`) unless ``sacpass.offload.set_host_limit`` set
+    another."""
+    from .offload import host_limit
+    return int(PLAN_SHARE * host_limit())
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the planner may spend, per execution of one compiled graph (one layer).
 
     gpu_bytes:  device bytes the planner may keep beyond the must-saves (0: no more than full recompute keeps).
                 With ``memory_budget=f`` given too, f times the candidates' bytes instead.
-    host_bytes: pinned host bytes it may offload per layer; None: 40% of this machine's memory / ``layers``.
+    host_bytes: pinned host bytes it may offload per layer; None: :func:`default_host_bytes` / ``layers``.
     layers:     how many layer executions share the host memory per step (only for host_bytes=None).
     hide:       share of the layer's estimated forward (and backward) time its copies may take, so that they
                 stay hidden under compute (copies run on their own streams).
@@ -100,12 +124,16 @@ class Plan:
     def host_budget(self) -> int:
         if self.host_bytes is not None:
             return self.host_bytes
-        return int(0.4 * physical_memory()) // self.layers
+        return default_host_bytes() // self.layers
 
 
 @dataclass(frozen=True)
 class ModelPlan:
     """One plan for every checkpointed region of a step (all layers), whatever graphs they share.
+
+    ``sacpass.ModelPlan()`` needs no arguments: it counts the step's regions, takes its budgets from the device
+    and the host, and measures its cost model on the device it runs on. Every field below overrides one of
+    those.
 
     Layers of one kind share one compiled graph, so a per-graph :class:`Plan` gives the first layer and the
     last the same decisions, though the last layer's backward runs first and has no time to hide its reloads.
@@ -117,20 +145,30 @@ class ModelPlan:
       ``sacpass::stash`` / ``sacpass::unstash``;
     - at run time, per value and region: keep it on the device or copy it to the host pool. The regions are
       numbered by their order in the step (the n-th forward since the last backward). From the last region
-      backwards, values stay on the device while ``gpu_bytes`` lasts (their backward comes first, their
+      backwards, values stay on the device while the device budget lasts (their backward comes first, their
       reloads would have nothing to hide behind); the rest goes to the host, within ``host_bytes``. Every step
       is placed from the sizes the step before it recorded (:func:`sacpass.offload.placements`); the first,
       which has none, places the same way with each region still to come as large as the largest before it,
       so its host pool grows no larger than the later steps need.
 
-    layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host.
-    gpu_bytes: device bytes the step may keep beyond the must-saves, all regions together.
-    host_bytes: host bytes the step may offload, all regions together; None: 40% of this machine's memory.
+    layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host. None (the
+               default): counted in the first training step, which then runs uncompiled (the graphs that hold a
+               checkpointed region run eagerly, as full recompute) while the plan counts the regions and times
+               the heavy ops (matrix ops, custom ops) at their shapes; the graphs compile at the second step.
+    gpu_bytes: device bytes the step keeps beyond the must-saves, all regions together. None (the default): it
+               starts at 0 and follows the measured peak (see ``peak_bytes``) up to ``DEVICE_SHARE`` of the GPU's
+               memory (none on the CPU).
+    host_bytes: host bytes the step may offload, all regions together; None: :func:`default_host_bytes`, this
+               process's share of the host (physical memory, the cgroup limit and what is available, over the
+               launcher's local ranks: :mod:`sacpass.host`).
     inputs:    also place each region's activation inputs (a decoder layer's hidden states, which activation
                checkpointing otherwise keeps on the device for every layer) like its planned values: kept on
                the device for the last regions, offloaded for the rest. Parameters and buffers (the graph's
                static inputs) never move. Their bytes come out of the region's share first.
-    hide, min_offload_bytes, cost: as in :class:`Plan`, per region.
+    hide, min_offload_bytes: as in :class:`Plan`, per region.
+    cost:      the cost model; None (the default): measured on the device (:func:`sacpass.calibration.calibrate`:
+               copy rates each way, matrix rates, memory bandwidth, kept in the compile cache's directory so a
+               restart reuses them) with the first step's op times where it counted the regions.
     compress:  None (default): values go to the host as they are, and come back bit for bit. ``"fp8"``: the
                floating values sent to the host go FP8-packed (float8 e4m3, one fp32 scale per 128 elements:
                0.52 of a bf16 value's bytes, :mod:`sacpass.compression`) and come back rebuilt in their dtype.
@@ -138,46 +176,50 @@ class ModelPlan:
                equal to, the forward's; the planner counts the packed bytes against ``host_bytes`` and the copy
                window, so about twice as much fits. Values kept on the device, and integer and bool values
                (indices, masks: discrete decisions), are never packed.
-    exact:     with ``compress``: selectors (op names, ``"module::op"`` strings, OpOverloads, as the policy's) of
-               values sent to the host as they are, bit for bit, while the rest go packed; e.g.
-               ``exact="glm52::sparse_mla"`` keeps the attention output exact, whose backward takes row sums of
-               it times its gradient (a difference of near-equal terms that packing disturbs most). The planner
+    exact:     with ``compress``, the values sent to the host as they are, bit for bit, while the rest go packed.
+               None (the default): the values the backward is sensitive to, those it sums times their own
+               gradient (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``: differences of near-equal
+               terms that packing disturbs most), seen in the joint graph as a custom op or a softmax backward
+               reading the value with a gradient of its shape, or a ``mul`` of the two reduced by a ``sum``; e.g.
+               the attention output of ``glm52::sparse_mla``. Selectors (op names, ``"module::op"`` strings,
+               OpOverloads, as the policy's) name them instead; ``()`` packs every floating value. The planner
                counts their full bytes. A selector that names no value the plan considers is reported like an
                unmatched policy selector.
-    peak_bytes: None (default): the step keeps ``gpu_bytes`` on the device. An int: the device memory the step
-               may peak at (``torch.cuda.max_memory_allocated``; e.g. full recompute's peak, measured, or the
-               GPU's memory less a margin). After each step the run time reads that peak and raises the device
+    peak_bytes: the device memory the step may peak at (``torch.cuda.max_memory_allocated``; e.g. full
+               recompute's peak, measured). After each step the run time reads that peak and raises the device
                budget by what it left under ``peak_bytes``, so the next step keeps more of the last regions'
                values on the device instead of copying them (``gpu_bytes`` is where it starts). A value kept
                instead of copied adds its bytes at most to any moment of the step, so the peak stays within
                ``peak_bytes``; a step that passes it anyway (the peak rose past it) lowers the budget by the
                excess, never below ``gpu_bytes``, and one whose budget is already there warns. The peak read is
                the highest since the last ``torch.cuda.reset_peak_memory_stats()``: reset it after the compiling
-               step if that one peaks higher. The budget, the cap and the peak read:
+               step if that one peaks higher. None: ``DEVICE_SHARE`` of the GPU's memory where ``gpu_bytes`` is
+               None too, else no cap (the step keeps ``gpu_bytes``). The budget, the cap and the peak read:
                :func:`sacpass.offload.device_budget`.
 
     A step whose values fit neither budget raises :class:`~sacpass.OffloadError` naming the smallest budgets
     that hold it, before the host pool runs out.
     """
 
-    layers: int
-    gpu_bytes: int = 0
+    layers: int | None = None
+    gpu_bytes: int | None = None
     host_bytes: int | None = None
     inputs: bool = True
     hide: float = 0.8
     min_offload_bytes: int = 1 << 20
-    cost: CostModel = field(default_factory=CostModel)
+    cost: CostModel | None = None
     compress: str | None = None
     peak_bytes: int | None = None
-    exact: tuple = ()
+    exact: tuple | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exact", _exact_selectors(self.exact, self.compress))
         if self.peak_bytes is not None and (isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, int)
                                             or self.peak_bytes <= 0):
-            raise BackendOptionError(f"sacpass: ModelPlan(peak_bytes={self.peak_bytes!r}) must be None (keep gpu_bytes "
-                                     f"on the device) or an int > 0: the device memory the step may peak at, e.g. "
-                                     f"full recompute's torch.cuda.max_memory_allocated().")
+            raise BackendOptionError(f"sacpass: ModelPlan(peak_bytes={self.peak_bytes!r}) must be None (the GPU's "
+                                     f"memory less a margin, or no cap with gpu_bytes given) or an int > 0: the "
+                                     f"device memory the step may peak at, e.g. full recompute's "
+                                     f"torch.cuda.max_memory_allocated().")
         if self.compress not in (None, "fp8"):
             raise BackendOptionError(f"sacpass: ModelPlan(compress={self.compress!r}) is not a compression; pass None "
                                      f"(values go to the host as they are, the default) or 'fp8' (floating values "
@@ -185,18 +227,67 @@ class ModelPlan:
         if not isinstance(self.inputs, bool):
             raise BackendOptionError(f"sacpass: ModelPlan(inputs={self.inputs!r}) must be True (place the regions' "
                                      f"activation inputs too) or False (keep them on the device).")
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+        if self.layers is not None and (isinstance(self.layers, bool) or not isinstance(self.layers, int)
+                                        or self.layers < 1):
             raise BackendOptionError(f"sacpass: ModelPlan(layers={self.layers!r}) is invalid; pass the number of "
-                                     f"checkpointed regions one step runs (e.g. len(model.layers)), an int >= 1.")
-        Plan(gpu_bytes=self.gpu_bytes, host_bytes=self.host_bytes, hide=self.hide,  # the shared checks
-             min_offload_bytes=self.min_offload_bytes, cost=self.cost)
+                                     f"checkpointed regions one step runs (e.g. len(model.layers)), an int >= 1, or "
+                                     f"None to have the plan count them in the first step.")
+        if self.gpu_bytes is not None and (isinstance(self.gpu_bytes, bool) or not isinstance(self.gpu_bytes, int)
+                                           or self.gpu_bytes < 0):
+            raise BackendOptionError(f"sacpass: ModelPlan(gpu_bytes={self.gpu_bytes!r}) is invalid; gpu_bytes must be "
+                                     f"an int >= 0 (device bytes, all regions together), or None to follow the "
+                                     f"measured peak.")
+        if self.cost is not None and not isinstance(self.cost, CostModel):
+            raise BackendOptionError(f"sacpass: ModelPlan(cost={self.cost!r}) is invalid; cost must be a "
+                                     f"sacpass.CostModel, or None to measure it on the device.")
+        Plan(host_bytes=self.host_bytes, hide=self.hide, min_offload_bytes=self.min_offload_bytes)  # shared checks
+
+    @property
+    def counts_regions(self) -> bool:
+        """Whether the plan counts the step's regions in a first, uncompiled step (``layers`` not given)."""
+        return self.layers is None
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every budget and the cost model are set: what a compile partitions with."""
+        return self.layers is not None and self.gpu_bytes is not None and self.cost is not None
+
+    def resolve(self, device, regions: int | None = None, op_seconds: dict | None = None,
+                calibrate=None) -> "ModelPlan":
+        """This plan with nothing left to decide, for ``device``: ``layers`` from ``regions`` (counted), the cost
+        model measured there (``calibrate(device, op_seconds=...)``, by default
+        :func:`sacpass.calibration.calibrate`, with the counted step's op times), the device budget from 0 under
+        ``DEVICE_SHARE`` of its memory."""
+        import torch
+
+        if self.resolved:
+            return self
+        layers = self.layers if self.layers is not None else regions
+        if layers is None:
+            raise BackendOptionError("sacpass: ModelPlan() counts the step's regions in its first training step; "
+                                     "resolve it with the count (regions=...), or pass layers=.")
+        cost = self.cost
+        if cost is None:
+            from .calibration import calibrate as measure
+            cost = (calibrate or measure)(device, op_seconds=op_seconds)
+        peak = self.peak_bytes
+        device = torch.device(device)
+        if self.gpu_bytes is None and peak is None and device.type == "cuda":
+            peak = int(DEVICE_SHARE * torch.cuda.get_device_properties(device).total_memory)
+        return dataclasses.replace(self, layers=layers, gpu_bytes=self.gpu_bytes or 0, cost=cost, peak_bytes=peak)
 
     def host_budget(self) -> int:
-        return self.host_bytes if self.host_bytes is not None else int(0.4 * physical_memory())
+        return self.host_bytes if self.host_bytes is not None else default_host_bytes()
+
+    def _require_resolved(self, what: str) -> None:
+        if not self.resolved:
+            raise BackendOptionError(f"sacpass: {self!r} has {what} only once resolved (ModelPlan.resolve): the backend "
+                                     f"does that at the compile, after counting the regions where layers is None.")
 
     @property
     def key(self) -> str:
         """What the compiled graphs name this plan by (its stash ops' argument): its budgets."""
+        self._require_resolved("a key")
         return (f"layers={self.layers},gpu={self.gpu_bytes},host={self.host_budget()},inputs={int(self.inputs)}"
                 + (f",compress={self.compress}" if self.compress else "")
                 + (f",peak={self.peak_bytes}" if self.peak_bytes is not None else ""))
@@ -205,6 +296,7 @@ class ModelPlan:
         """The bytes one region may keep, on the device or the host, if every region of the step ran its graph.
         With ``compress``, in packed bytes: the device's part, which stays unpacked, counts at the packing ratio
         of bf16, so that the regions the device cannot hold fit ``host_bytes`` packed."""
+        self._require_resolved("a region share")
         gpu = int(self.gpu_bytes * BF16_RATIO) if self.compress else self.gpu_bytes
         return (self.host_budget() + gpu) // self.layers
 
@@ -212,15 +304,17 @@ class ModelPlan:
         """The per-graph part: the region's share less ``placed_inputs`` (the bytes of its activation inputs,
         which are placed whatever the planner decides), for the values the planner chooses."""
         return Plan(gpu_bytes=0, host_bytes=max(0, self.region_share() - placed_inputs), layers=self.layers,
-                    hide=self.hide,
-                    min_offload_bytes=self.min_offload_bytes, cost=self.cost)
+                    hide=self.hide, min_offload_bytes=self.min_offload_bytes, cost=self.cost)
 
 
 def _exact_selectors(exact, compress) -> tuple:
-    """ModelPlan(exact=): op and module-op selectors only (they print and hash as they read), with compress."""
+    """ModelPlan(exact=): None (the sensitive values), or op and module-op selectors only (they print and hash as
+    they read), with compress."""
     from .selectors import ModuleOpSelector, OpSelector, as_selectors
 
-    if exact is None or exact == ():
+    if exact is None:
+        return None
+    if exact == ():
         return ()
     spelled = (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, OpSelector, ModuleOpSelector)
     items = [exact] if isinstance(exact, spelled) or not isinstance(exact, (list, tuple)) else list(exact)
@@ -236,18 +330,33 @@ def _exact_selectors(exact, compress) -> tuple:
     return sels
 
 
+_DECLARED: dict[str, ModelPlan] = {}  # plan key -> the plan a backend of this process was built with
+
+
+def declared_plan(key: str) -> "ModelPlan | None":
+    """The model plan a backend of this process was built with, by its key (what its compiled graphs' stash ops
+    name): the runtime makes the plan's state from it at its first stash, cached graphs' included."""
+    return _DECLARED.get(key)
+
+
+def declare(plan: ModelPlan) -> ModelPlan:
+    """Make a resolved model plan known to this process's runtime (by its key), before any graph runs."""
+    _DECLARED.setdefault(plan.key, plan)
+    return plan
+
+
 def as_plan(plan) -> Plan | ModelPlan | None:
-    """``None``, ``"auto"`` (the default :class:`Plan`), a Plan or a ModelPlan; anything else is refused."""
+    """``None``, ``"auto"`` (a :class:`ModelPlan` with no arguments), a Plan or a ModelPlan; anything else is
+    refused."""
     if isinstance(plan, ModelPlan):
-        from .offload import register_placement
-        register_placement(plan)  # before any graph runs, cached ones included
-        return plan
+        return declare(plan) if plan.resolved else plan
     if plan is None or isinstance(plan, Plan):
         return plan
     if plan == "auto":
-        return Plan()
-    raise BackendOptionError(f"sacpass: plan={plan!r} is not a plan; pass plan='auto', a sacpass.Plan(...) with "
-                             f"budgets, a sacpass.ModelPlan(layers=...) for the whole step, or None (no planner).")
+        return ModelPlan()
+    raise BackendOptionError(f"sacpass: plan={plan!r} is not a plan; pass plan='auto' (sacpass.ModelPlan(), which "
+                             f"needs no arguments), a sacpass.ModelPlan(...) with overrides, a sacpass.Plan(...) with "
+                             f"per-graph budgets, or None (no planner).")
 
 
 def check_memory_budget(memory_budget) -> float | None:

@@ -114,7 +114,7 @@ class Report:
     def host_pool_bytes(self) -> int:
         """Bytes of sacpass's host pool the offloaded tensors take per execution (their blocks, aligned); the
         pool's slabs, what the machine really gives up, are ``sacpass.offload.stats().host_bytes_held``."""
-        from .offload import pool_bytes
+        from .offload.sizes import pool_bytes
         return sum(pool_bytes(s.bytes) for s in self.saved if s.on_host)
 
     @property

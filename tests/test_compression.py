@@ -14,6 +14,7 @@ import torch
 
 import sacpass
 import sacpass.offload as rt
+from sacpass.offload.placement import Budgets, place_step
 from sacpass.compression import TILE, pack, packed_bytes, unpack
 from helpers import relative_error
 from test_model_plan import LAYERS, REGION, _eager, _plan, _run
@@ -111,13 +112,12 @@ def test_the_planner_counts_packed_bytes_against_the_host_budget():
 def test_a_packed_step_the_host_cannot_hold_names_the_device_budget_in_unpacked_bytes():
     """The device keeps values as they are: the smallest gpu_bytes that holds a packed step counts them so,
     not at the host's packed size."""
-    placement = rt._Placement(layers=2, gpu_bytes=0, host_bytes=2176, compress=True)
     sizes = {(0, 0): 4096, (1, 0): 4096}  # fp32 values of 1024 elements: 1024 + 512 pool bytes packed
     host_sizes = {k: rt.packed_pool_bytes(1024) for k in sizes}
     with pytest.raises(sacpass.OffloadError, match=r"host_bytes=3072 with this gpu_bytes, or gpu_bytes=4096 with "
                                                    r"this host_bytes"):
-        placement.solve(sizes, host_sizes)
-    assert rt._Placement(layers=2, gpu_bytes=4096, host_bytes=2176, compress=True).solve(sizes, host_sizes) == \
+        place_step(sizes, Budgets(2, 0, 2176), host_sizes)
+    assert place_step(sizes, Budgets(2, 4096, 2176), host_sizes) == \
         {(1, 0): "device", (0, 0): "host"}
 
 
@@ -173,3 +173,79 @@ def test_exact_takes_op_selectors_with_compress_only():
     assert [str(s) for s in plan.exact] == ["aten::bmm", "aten::mm.default", "attn::aten::bmm"]
     assert plan != sacpass.ModelPlan(layers=2, compress="fp8") and hash(plan) == hash(
         sacpass.ModelPlan(layers=2, compress="fp8", exact=("aten::bmm", "aten::mm.default", "attn::aten::bmm")))
+
+
+# ------------------------------------------------------------------- what the backward is sensitive to
+class _SoftmaxAttention(torch.nn.Module):
+    """q, k, v projections and a softmax attention, checkpointed: its backward reads the softmax output with
+    its gradient (``sum(y * dy)`` along each row)."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        def body(x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return x + self.o(torch.softmax(q @ k.T / 8, dim=-1) @ v)
+        return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+
+
+def _attention_decisions(exact):
+    from sacpass.testing import no_compile_caches
+
+    torch.manual_seed(0)
+    layer = _SoftmaxAttention()
+    plan = sacpass.ModelPlan(layers=1, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0, compress="fp8",
+                             exact=exact, cost=sacpass.CostModel())
+    with no_compile_caches():
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        torch.compile(layer, backend=be, fullgraph=True)(torch.randn(96, 64, requires_grad=True)).sum().backward()
+    return {d.op.split(".")[0]: d for d in be.reports[0].decisions if d.op != "input"}
+
+
+def test_by_default_a_value_the_backward_sums_times_its_gradient_goes_unpacked():
+    """The softmax output (its backward takes sum(y * dy) per row) stays exact; the projections' outputs, read
+    by matrix multiplies, go packed. exact=() packs them all."""
+    default = _attention_decisions(None)
+    soft = default["aten::_softmax"]
+    assert soft.action == "offload" and soft.exact.startswith("sensitive: aten::_softmax_backward_data"), soft
+    assert soft.why.endswith("on the host unpacked (aten::_softmax_backward_data reads it with its gradient)")
+    assert all("FP8-packed" in d.why for op, d in default.items() if op != "aten::_softmax" and d.action == "offload")
+    assert any("FP8-packed" in d.why for d in default.values())
+    everything = _attention_decisions(())
+    assert not any(d.exact for d in everything.values()) and "FP8-packed" in everything["aten::_softmax"].why
+
+
+def test_the_glm_attention_output_stays_exact_by_default_and_the_gradients_are_closer():
+    """Tiny GLM-5.2 under a compressing plan: sparse MLA's output (its backward op reads it with its gradient)
+    goes to the host unpacked by default; every parameter's gradient is then closer to the exact plan's than
+    with every floating value packed."""
+    import copy
+
+    from glm52_model import GLM52Config, GLM52ForCausalLM
+    from glm52_model.compile import apply_compile
+    from sacpass.testing import no_compile_caches
+
+    torch.manual_seed(0)
+    base = GLM52ForCausalLM(GLM52Config.tiny(num_layers=2, mtp_layers=0))
+    ids = torch.randint(0, base.cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+
+    def grads(**kw):
+        plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0,
+                                 cost=sacpass.CostModel(), **kw)
+        with no_compile_caches():
+            be = sacpass.backend(inner="aot_eager", plan=plan)
+            model = apply_compile(copy.deepcopy(base), backend=be, fullgraph=True)
+            for _ in range(2):  # the first places from estimates, the second from the first step's sizes
+                model.zero_grad(set_to_none=True)
+                model(ids, labels=ids).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, be
+
+    exact, _ = grads()
+    default, be = grads(compress="fp8")
+    packed, _ = grads(compress="fp8", exact=())
+    mla = [d for r in be.reports for d in r.decisions if d.op.startswith("glm52::sparse_mla")]
+    assert mla and all(d.exact == "sensitive: glm52::sparse_mla_bwd reads it with its gradient" for d in mla), mla
+    err = lambda got: max(relative_error(got[n], exact[n]) for n in exact)  # noqa: E731
+    assert 0 < err(default) < err(packed), (err(default), err(packed))

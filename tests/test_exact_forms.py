@@ -111,7 +111,7 @@ def test_an_offloaded_selection_leaves_as_int32_indices():
 def test_a_model_plan_stashes_the_bool_form():
     model = Masked()
     ref, _ = _run(model, None, _x())
-    plan = sacpass.ModelPlan(layers=1, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0)
+    plan = sacpass.ModelPlan(layers=1, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0, cost=sacpass.CostModel())
     with no_compile_caches():
         be = sacpass.backend(inner="aot_eager", plan=plan)
         for _ in range(2):

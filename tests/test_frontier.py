@@ -240,7 +240,7 @@ def test_planner_offloads_under_the_host_budget_and_explains_each_choice():
 
 
 def test_plan_auto_and_bad_plans():
-    assert sacpass.backend(plan="auto").config.plan == sacpass.Plan()
+    assert sacpass.backend(plan="auto").config.plan == sacpass.ModelPlan()
     with pytest.raises(sacpass.BackendOptionError, match="plan='auto'"):
         sacpass.backend(plan="fast")
     with pytest.raises(sacpass.BackendOptionError, match="gpu_bytes must be an int >= 0"):
@@ -254,7 +254,7 @@ def test_plan_without_a_checkpoint_region_warns(toy):
     model, x = toy
     model.checkpointed = False
     with pytest.warns(sacpass.SacpassWarning, match="no checkpointed region"):
-        _run(sacpass.backend(inner="aot_eager", plan="auto"), model, x)
+        _run(sacpass.backend(inner="aot_eager", plan=sacpass.Plan()), model, x)
 
 
 def test_policy_enters_the_cache_key():

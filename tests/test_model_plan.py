@@ -18,9 +18,13 @@ import torch
 
 import sacpass
 import sacpass.offload as rt
+from sacpass.offload import clocks, plan_state
+from sacpass.offload.placement import Budgets, place_step
+from sacpass.offload.runtime import process_runtime
 from sacpass.testing import no_compile_caches
 from toy import CompiledStack
 
+RT = process_runtime()
 LAYERS = 4
 VALUES = 18816  # bytes a toy layer's planned values take (6 values: 5 of 3072 or 6144 bytes, one of 384)
 INPUT = 24 * 32 * 4  # its activation input, placed too (a model plan's default)
@@ -41,7 +45,7 @@ def _x():
 @pytest.fixture(autouse=True)
 def _clean():
     rt.release_host_memory()
-    rt._PLACEMENTS.clear()  # equal plans share their run-time state (the learned device budget) in a process
+    RT.plans.clear()  # equal plans share their run-time state (the learned device budget) in a process
     yield
     rt.release_host_memory()
 
@@ -63,6 +67,7 @@ def _eager():
 
 
 def _plan(gpu, host, **kw):
+    kw.setdefault("cost", sacpass.CostModel())  # fixed rates: the decisions pinned here do not follow this machine's
     return sacpass.ModelPlan(layers=LAYERS, gpu_bytes=gpu, host_bytes=host, min_offload_bytes=0, **kw)
 
 
@@ -126,29 +131,27 @@ def test_the_per_region_share_decides_what_is_recomputed():
 def test_a_step_past_the_budgets_raises_naming_the_smallest_that_hold_it():
     """Compiled for 2 layers, run with 4: the first step finds it has passed host + gpu bytes, the error
     names the fix before the host pool runs out."""
-    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=2 * REGION, min_offload_bytes=0)
+    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=2 * REGION, min_offload_bytes=0, cost=sacpass.CostModel())
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
         with pytest.raises(sacpass.OffloadError, match=r"more regions than layers=2 \(pass the real count\)"):
             _step(model, _x())
-    assert rt.stats().host_bytes_alive == 0 and not rt._STASHED
+    assert rt.stats().host_bytes_alive == 0 and not RT.stashes.items
 
 
 def test_a_placement_the_host_budget_cannot_hold_names_the_smallest_budgets():
-    placement = rt._Placement(layers=2, gpu_bytes=1024, host_bytes=2048)
     sizes = {(0, 0): 2048, (0, 1): 1024, (1, 0): 1024}
     with pytest.raises(sacpass.OffloadError, match=r"smallest budgets that hold the step are host_bytes=3072 with "
                                                    r"this gpu_bytes, or gpu_bytes=2048 with this host_bytes"):
-        placement.solve(sizes)
-    assert rt._Placement(layers=2, gpu_bytes=1024, host_bytes=3072).solve(sizes) == \
+        place_step(sizes, Budgets(2, 1024, 2048))
+    assert place_step(sizes, Budgets(2, 1024, 3072)) == \
         {(1, 0): "device", (0, 1): "host", (0, 0): "host"}
 
 
 def test_a_step_whose_regions_past_layers_pass_the_host_budget_says_no_device_budget_helps():
-    placement = rt._Placement(layers=1, gpu_bytes=0, host_bytes=1024)
     with pytest.raises(sacpass.OffloadError, match=r"or no gpu_bytes with this host_bytes \(values of regions past "
                                                    r"layers=1 always go to the host\)"):
-        placement.solve({(0, 0): 1024, (1, 0): 2048})
+        place_step({(0, 0): 1024, (1, 0): 2048}, Budgets(1, 0, 1024))
 
 
 def test_a_second_backward_through_a_value_kept_on_the_device_is_refused():
@@ -165,7 +168,7 @@ def test_a_second_backward_through_a_value_kept_on_the_device_is_refused():
 
 
 def test_model_plan_checks_its_arguments():
-    for bad in (0, -1, True, 2.0, None):
+    for bad in (0, -1, True, 2.0, "16"):
         with pytest.raises(sacpass.BackendOptionError, match=r"ModelPlan\(layers="):
             sacpass.ModelPlan(layers=bad)
     with pytest.raises(sacpass.BackendOptionError, match="gpu_bytes"):
@@ -173,14 +176,15 @@ def test_model_plan_checks_its_arguments():
     with pytest.raises(sacpass.BackendOptionError, match="host_bytes"):
         sacpass.ModelPlan(layers=2, host_bytes=1.5)
     assert sacpass.backend(plan=sacpass.ModelPlan(layers=3)).config.plan == sacpass.ModelPlan(layers=3)
-    assert sacpass.ModelPlan(layers=3, gpu_bytes=1).key != sacpass.ModelPlan(layers=3).key
-    assert sacpass.ModelPlan(layers=3, inputs=False).key != sacpass.ModelPlan(layers=3).key
+    fixed = dict(layers=3, gpu_bytes=0, cost=sacpass.CostModel())
+    assert sacpass.ModelPlan(**{**fixed, "gpu_bytes": 1}).key != sacpass.ModelPlan(**fixed).key
+    assert sacpass.ModelPlan(**fixed, inputs=False).key != sacpass.ModelPlan(**fixed).key
     with pytest.raises(sacpass.BackendOptionError, match="inputs"):
         sacpass.ModelPlan(layers=2, inputs=1)
     for bad in (0, -5, 1.5, True, "77G"):
         with pytest.raises(sacpass.BackendOptionError, match=r"ModelPlan\(peak_bytes=.*max_memory_allocated"):
             sacpass.ModelPlan(layers=2, peak_bytes=bad)
-    assert sacpass.ModelPlan(layers=3, peak_bytes=1 << 30).key != sacpass.ModelPlan(layers=3).key
+    assert sacpass.ModelPlan(**fixed, peak_bytes=1 << 30).key != sacpass.ModelPlan(**fixed).key
 
 
 def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
@@ -238,6 +242,7 @@ def test_a_symbolic_size_the_backward_cannot_rebuild_goes_to_the_host_and_says_s
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from sacpass.passes.offload import _SymSizes, offload_pass
+    from sacpass.passes.plan import PlanResult
 
     env = ShapeEnv()
     s = env.create_symintnode(env.create_symbol(6, ConstantSource("rows")), hint=6)
@@ -272,7 +277,8 @@ def test_a_symbolic_size_the_backward_cannot_rebuild_goes_to_the_host_and_says_s
     forward, _ = graph([("x", x)], fw_body)
     backward, bw_ph = graph([("sin", z), ("tangents_1", scalar)], bw_body)
     with pytest.warns(sacpass.SacpassWarning, match=r"sin has size 0 \(s\d+\).*sacpass::offload.*mark_static"):
-        done = offload_pass(forward, backward, {"sin": "plan"}, 1, model_plan="layers=1")
+        done = offload_pass(forward, backward, PlanResult(offload_marks={"sin": "plan"}, model_plan="layers=1",
+                                                          cost=sacpass.CostModel()), 1)
     assert done == {"sin": "plan"}
     targets = [n.target for n in forward.graph.nodes] + [n.target for n in backward.graph.nodes]
     assert torch.ops.sacpass.offload.default in targets and torch.ops.sacpass.reload.default in targets
@@ -359,7 +365,7 @@ def test_a_kept_input_written_in_place_before_the_backward_is_refused():
 def test_activation_inputs_need_aot_autograd_s_static_inputs():
     """Without the list of static inputs (parameters, buffers) nothing tells a weight from an activation:
     no input is placed."""
-    from sacpass.passes.offload import activation_inputs
+    from sacpass.passes.plan import activation_inputs
 
     gm = torch.fx.symbolic_trace(lambda w, x: (x @ w).sum())
     for n in gm.graph.find_nodes(op="placeholder"):
@@ -382,7 +388,8 @@ def test_glm_layers_place_their_hidden_states_and_the_shared_top_k_ids_and_match
     eager = GLM52ForCausalLM(GLM52Config.tiny(num_layers=4, mtp_layers=0))
     cfg = eager.cfg
     assert not cfg.is_full_topk_layer(2) and cfg.is_full_topk_layer(1)  # layer 2 reads layer 1's IDs
-    plan = sacpass.ModelPlan(layers=4, gpu_bytes=1 << 20, host_bytes=1 << 24, min_offload_bytes=0)
+    plan = sacpass.ModelPlan(layers=4, gpu_bytes=1 << 20, host_bytes=1 << 24, min_offload_bytes=0,
+                             cost=sacpass.CostModel())
     ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     eager.zero_grad()
     loss_e = eager(ids, labels=ids)
@@ -417,7 +424,7 @@ def _peak_of(plan, per_kept_byte):
     seen = [0]
 
     def peak(device):
-        pl = rt._PLACEMENTS[plan.key]
+        pl = RT.plans[plan.key]
         kept = sum(n for where, n in pl.placed.values() if where == "device")
         seen[0] = max(seen[0], BASE + per_kept_byte * kept)
         return seen[0]
@@ -428,7 +435,7 @@ def test_a_peak_cap_raises_the_device_budget_to_what_the_measured_peak_leaves(mo
     """peak_bytes: the first step keeps gpu_bytes (none), peaks at BASE; the budget rises by the cap's room
     (two regions), the next steps keep the last two regions and peak at the cap, and the budget holds there."""
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
-    monkeypatch.setattr(rt, "_device_peak", _peak_of(plan, 1))
+    monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error", sacpass.SacpassWarning)
         grads, st, rows, _ = _run(plan, steps=4)
@@ -447,7 +454,7 @@ def test_a_peak_cap_raises_the_device_budget_to_what_the_measured_peak_leaves(mo
 def test_a_peak_cap_grows_the_budget_no_further_than_every_value():
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 100 * REGION)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rt, "_device_peak", _peak_of(plan, 1))
+        mp.setattr(plan_state, "device_peak", _peak_of(plan, 1))
         _, st, rows, _ = _run(plan, steps=3)
     assert [r["device_bytes"] for r in rows] == [REGION] * LAYERS and st.offloaded_bytes == 0
     assert rt.device_budget(plan)["device_budget"] == LAYERS * REGION
@@ -458,12 +465,12 @@ def test_a_step_past_the_peak_cap_lowers_the_budget_and_warns_at_gpu_bytes(monke
     by the excess (to gpu_bytes), and the peak, the highest yet, moving no more, it stays there. A step past the
     cap with the budget already at gpu_bytes warns, naming the fix."""
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
-    monkeypatch.setattr(rt, "_device_peak", _peak_of(plan, 2))
+    monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 2))
     _, _, rows, _ = _run(plan, steps=4)
     assert [r["device_bytes"] for r in rows] == [0] * LAYERS
     assert rt.device_budget(plan)["device_budget"] == 0
     plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
-    monkeypatch.setattr(rt, "_device_peak", lambda device: BASE + 10 * REGION)
+    monkeypatch.setattr(plan_state, "device_peak", lambda device: BASE + 10 * REGION)
     with pytest.warns(sacpass.SacpassWarning, match=r"peak_bytes=.*peaked at .* gpu_bytes=\d+, the least it keeps"):
         _, _, rows, _ = _run(plan, steps=3)
     assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION]
@@ -475,7 +482,7 @@ def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_place
     the aborted forward (one value stashed, no backward) is no step to place from, so the next step is placed
     as if it had not run."""
     plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
-    monkeypatch.setattr(rt, "_device_peak", lambda device: BASE + 10 * REGION)
+    monkeypatch.setattr(plan_state, "device_peak", lambda device: BASE + 10 * REGION)
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
         _step(model, _x())
@@ -528,7 +535,7 @@ def test_the_peak_is_read_as_each_backward_ends_so_a_reset_between_steps_does_no
     step's own."""
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
     highest = [BASE]
-    monkeypatch.setattr(rt, "_device_peak", lambda device: highest[0])
+    monkeypatch.setattr(plan_state, "device_peak", lambda device: highest[0])
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
         for _ in range(4):
@@ -551,7 +558,7 @@ def test_each_region_s_copies_are_measured_beside_the_expected_time():
     host_rows, kept = rows[:-1], rows[-1]
     assert all(r["d2h_ms_measured"] > 0 and r["h2d_ms_measured"] > 0 and r["copy_ms_expected"] > 0 for r in host_rows)
     assert kept["d2h_ms_measured"] == kept["h2d_ms_measured"] == 0.0 and kept["host_bytes"] == 0
-    timed = rt._PLACEMENTS[plan.key].last_timeline.copies
+    timed = RT.plans[plan.key].last_timeline.copies
     assert sorted(timed) == [r["region"] for r in host_rows]
     assert all(len(timed[r["region"]]["d2h"]) == len(timed[r["region"]]["h2d"]) == r["values"] for r in host_rows)
     assert "measured D2H / H2D" in rt.format_placements(plan).splitlines()[0]
@@ -569,7 +576,7 @@ def test_each_region_s_forward_and_backward_are_timed_beside_what_the_cost_model
 
     marks = iter(k + d for k in range(0, 100, 10)
                  for d in (0.0, 0.005, 0.012, 0.021, 0.100, 0.110, 0.130, 0.160, 0.200))
-    monkeypatch.setattr(rt, "_clock", lambda device: next(marks))
+    monkeypatch.setattr(clocks, "clock", lambda device: next(marks))
     plan = _plan(0, 1 << 20)
     _, _, rows, be = _run(plan)
     assert rows[0]["forward_ms_measured"] is None
@@ -591,7 +598,7 @@ def test_each_region_s_forward_and_backward_are_timed_beside_what_the_cost_model
             t0 = time.perf_counter()
             loss.backward()
             took = 1e3 * (time.perf_counter() - t0)
-    timeline = rt._PLACEMENTS[plan.key].timeline  # the step just run
+    timeline = RT.plans[plan.key].timeline  # the step just run
     timed, forwards = timeline.backward_ms(), timeline.forward_ms()
     assert sorted(timed) == sorted(forwards) == list(range(LAYERS)) and all(ms > 0 for ms in timed.values())
     assert sum(timed.values()) <= took and forwards[0] is None and all(forwards[p] > 0 for p in range(1, LAYERS))
@@ -608,10 +615,10 @@ def test_copy_time_sums_seconds_and_finished_events_and_waits_for_running_ones()
         def elapsed_time(self, end):
             return end.ms
 
-    assert rt._copy_ms([0.001, 0.0025]) == pytest.approx(3.5)
-    assert rt._copy_ms([0.001, (Event(True), Event(True, 4.0))]) == pytest.approx(5.0)
-    assert rt._copy_ms([(Event(True), Event(False))]) is None
-    assert rt._copy_ms([]) == 0.0
-    assert rt._elapsed_ms(1.0, 1.25) == pytest.approx(250.0)  # a region's backward: two clock marks
-    assert rt._elapsed_ms(Event(True), Event(True, 7.0)) == 7.0
-    assert rt._elapsed_ms(Event(True), Event(False)) is None and rt._elapsed_ms(1.0, None) is None
+    assert clocks.copy_ms([0.001, 0.0025]) == pytest.approx(3.5)
+    assert clocks.copy_ms([0.001, (Event(True), Event(True, 4.0))]) == pytest.approx(5.0)
+    assert clocks.copy_ms([(Event(True), Event(False))]) is None
+    assert clocks.copy_ms([]) == 0.0
+    assert clocks.elapsed_ms(1.0, 1.25) == pytest.approx(250.0)  # a region's backward: two clock marks
+    assert clocks.elapsed_ms(Event(True), Event(True, 7.0)) == 7.0
+    assert clocks.elapsed_ms(Event(True), Event(False)) is None and clocks.elapsed_ms(1.0, None) is None

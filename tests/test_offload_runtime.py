@@ -7,7 +7,6 @@ prefetch nobody consumes is freed when its backward ends. The GPU side is tests/
 """
 from __future__ import annotations
 
-import collections
 import threading
 
 import pytest
@@ -15,9 +14,12 @@ import torch
 
 import sacpass
 import sacpass.offload as rt
+from sacpass.offload.runtime import process_runtime
+from sacpass.offload.transfers import ReadOrders
 from sacpass.testing import no_compile_caches
 from toy import CompiledStack
 
+RT = process_runtime()
 N_LAYERS = 3
 OFFLOAD = {"offload": ["aten::addmm"]}
 
@@ -45,7 +47,7 @@ def _counters(st: rt.OffloadStats) -> tuple:
 def _assert_empty():
     st = rt.stats()
     assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
-    assert not rt._ENTRIES and all(not p.pending and p.in_use == 0 for p in rt._POOLS.values())
+    assert not RT.transfers.entries and all(not p.pending and p.in_use == 0 for p in RT.memory.kinds.values())
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +118,7 @@ def test_a_live_forward_is_prefetched_then_freed_when_the_backward_ends(per_laye
         st = rt.stats()
         assert st.dropped_prefetch_bytes == per_layer(be), st.format()
         assert st.bundles_alive == N_LAYERS  # the kept forward's bundles, nothing else
-        assert all(e.reload is None for e in rt._ENTRIES.values())
+        assert all(e.reload is None for e in RT.transfers.entries.values())
         kept.square().sum().backward()  # its own backward still works
     del kept
     _assert_empty()
@@ -185,14 +187,14 @@ MANY = {"offload": ["aten::mm", "aten::addmm", "aten::gelu"]}  # several values 
 def issues(monkeypatch):
     """Every host-to-device copy issued: (bytes issued and not yet read right after it, its bytes); the
     reading orders start unlearned and the prefetch limit is restored."""
-    seen, issue = [], rt._issue_reload
+    seen, issue = [], RT.transfers._issue
 
     def record(entry, device):
         issue(entry, device)
-        seen.append((rt._IN_FLIGHT[entry.bundle.device], entry.nbytes))
+        seen.append((RT.device(entry.bundle.device).in_flight, entry.nbytes))
 
-    monkeypatch.setattr(rt, "_issue_reload", record)
-    monkeypatch.setattr(rt, "_READ_ORDERS", collections.OrderedDict())
+    monkeypatch.setattr(RT.transfers, "_issue", record)
+    monkeypatch.setattr(RT.transfers, "read_orders", ReadOrders())
     limit = rt.prefetch_limit()
     yield seen
     rt.set_prefetch_limit(limit)
@@ -226,7 +228,7 @@ def test_a_reload_larger_than_the_prefetch_limit_warns_once_per_limit(issues, mo
     limit that would let two of the largest overlap; a limit that holds every reload says nothing."""
     import re
     import warnings
-    monkeypatch.setattr(rt, "_WARNED_LIMITS", set())
+    monkeypatch.setattr(RT.transfers, "warned_limits", set())
     with no_compile_caches():
         model, be = _stack(**MANY)
         _step(model, _x())  # compiles
@@ -251,7 +253,7 @@ def test_a_warning_turned_into_an_error_stops_the_backward_after_the_runtime_is_
     once the reload it is about has been issued and handed over (it is said outside the runtime's lock), and
     the next step, warned no more, runs with every copy and block accounted for."""
     import warnings
-    monkeypatch.setattr(rt, "_WARNED_LIMITS", set())
+    monkeypatch.setattr(RT.transfers, "warned_limits", set())
     with no_compile_caches():
         model, be = _stack(**MANY)
         expected = _step(model, _x())  # compiles
@@ -264,7 +266,7 @@ def test_a_warning_turned_into_an_error_stops_the_backward_after_the_runtime_is_
             with pytest.raises(sacpass.SacpassWarning, match="larger than the offload prefetch limit"):
                 _step(model, _x())
         assert issues and rt.stats().reloaded_bytes == sum(n for _, n in issues) > 0
-        assert rt._SAY == []
+        assert RT._warnings == []
         rt.reset_stats()
         grads = _step(model, _x())
         st = rt.stats()
@@ -283,13 +285,13 @@ def test_the_prefetch_follows_the_order_the_backward_read_in_last(issues):
         rt.reset_stats()
         _step(model, _x())
         assert rt.stats().waited_reloads == 1, rt.stats().format()
-        ((layout, order),) = rt._READ_ORDERS.items()
+        ((layout, order),) = RT.transfers.read_orders.orders.items()
         assert sorted(order) == list(range(len(layout))) and order != sorted(order)
-        rt._READ_ORDERS[layout] = sorted(order)
+        RT.transfers.read_orders.orders[layout] = sorted(order)
         rt.reset_stats()
         _step(model, _x())
         assert rt.stats().waited_reloads > 1
-        assert rt._READ_ORDERS[layout] == order
+        assert RT.transfers.read_orders.orders[layout] == order
         rt.reset_stats()
         _step(model, _x())
         assert rt.stats().waited_reloads == 1, rt.stats().format()
@@ -298,13 +300,13 @@ def test_the_prefetch_follows_the_order_the_backward_read_in_last(issues):
 
 def test_the_learned_orders_are_bounded(issues, monkeypatch):
     """One order per layout (compiled graph and shape): a run whose shapes vary keeps only the newest."""
-    monkeypatch.setattr(rt, "_READ_ORDERS_KEPT", 2)
+    monkeypatch.setattr(RT.transfers.read_orders, "kept", 2)
     with no_compile_caches():
         model, _ = _stack(**MANY)
         for rows in (24, 25, 26, 27):
             _step(model, torch.randn(rows, 32))
-    assert len(rt._READ_ORDERS) == 2
-    assert {layout[0][0][0] for layout in rt._READ_ORDERS} == {26, 27}  # the rows of the newest two shapes
+    assert len(RT.transfers.read_orders.orders) == 2
+    assert {layout[0][0][0] for layout in RT.transfers.read_orders.orders} == {26, 27}  # the rows of the newest two shapes
     _assert_empty()
 
 
@@ -325,7 +327,7 @@ def _offload_all(shapes, index0=True):
 def test_the_pool_counts_the_bytes_it_really_holds():
     hosts = _offload_all(ODD)
     st = rt.stats()
-    slabs = [s for p in rt._POOLS.values() for s in p.slabs]
+    slabs = [s for p in RT.memory.kinds.values() for s in p.slabs]
     real = sum(s.data.untyped_storage().nbytes() for s in slabs)
     assert st.host_bytes_held == real > 0
     assert st.host_bytes_alive == sum(rt.pool_bytes(h.numel() * h.element_size()) for h in hosts) <= real
@@ -405,7 +407,7 @@ def test_a_plan_past_the_host_limit_warns_when_it_is_made():
 
 
 def test_an_offload_the_host_has_no_memory_for_raises_before_allocating(monkeypatch):
-    monkeypatch.setattr(rt, "available_memory", lambda: 0)
+    monkeypatch.setattr(RT.memory, "available", lambda: 0)
     with pytest.raises(sacpass.OffloadError, match=r"the host has only 0 bytes available.*free host memory"):
         _offload_all([(1000,)])
     assert rt.stats().host_bytes_held == 0

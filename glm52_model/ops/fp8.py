@@ -120,6 +120,11 @@ def _fp8_quantize_kernel(x: Tensor, tiles: str) -> tuple[Tensor, Tensor]:
 
 @fp8_quantize.register_fake
 def _(x, tiles):
+    return _quantized_like(x, tiles)
+
+
+def _quantized_like(x: Tensor, tiles: str) -> tuple[Tensor, Tensor]:
+    """Empty (fp8 data, fp32 scales) of the shapes ``fp8_quantize(x, tiles)`` returns."""
     torch._check(tiles in _QUANTISERS,
                  lambda: f"fp8_quantize: tiles={tiles!r}, expected one of {list(_QUANTISERS)}")
     up = lambda n: (n + BLOCK - 1) // BLOCK * BLOCK                               # noqa: E731
@@ -131,6 +136,20 @@ def _(x, tiles):
     else:
         shape, sshape = (up(R), up(K)), (up(R) // BLOCK, up(K) // BLOCK)
     return x.new_empty(shape, dtype=FP8_DTYPE), x.new_empty(sshape, dtype=torch.float32)
+
+
+@torch.library.custom_op("glm52::fp8_quantize_pair", mutates_args=())
+def fp8_quantize_pair(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``fp8_quantize(x, "1x128")`` and ``fp8_quantize(x, "1x128_t")`` as one op: the forward GEMM's operand and
+    the weight gradient's, computed together in the forward. The second is what the backward keeps in x's place
+    (about half of its bytes), and a compiled graph can keep it: the op's first outputs feed the forward, so the
+    partitioner cannot move the op to the backward (a value only the backward reads is never saved)."""
+    return (*_quant(x, "1x128"), *_quant(x, "1x128_t"))
+
+
+@fp8_quantize_pair.register_fake
+def _(x):
+    return (*_quantized_like(x, "1x128"), *_quantized_like(x, "1x128_t"))
 
 
 def _quant(x: Tensor, tiles: str) -> tuple[Tensor, Tensor]:
@@ -207,38 +226,49 @@ def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dty
 
 
 class _FP8Linear(torch.autograd.Function):
-    """y = x @ w.T with the forward, dgrad and wgrad GEMMs all in FP8. x: [M, K], w: [N, K]."""
+    """y = x @ w.T with the forward, dgrad and wgrad GEMMs all in FP8. x: [M, K], w: [N, K].
+
+    The weight gradient's operand, x.T quantised in 1x128 tiles along the tokens, is computed in the forward
+    (``wgrad``) and saved instead of x: the backward reads exactly what it would have computed from x, at about
+    half of x's bytes (one e4m3 byte per element and an fp32 scale per 128)."""
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor) -> Tensor:
+    def forward(x: Tensor, w: Tensor, wgrad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         N = w.shape[0]
-        y = _mm(_quant(x, "1x128"), _quant(w, "128x128"), x.dtype)               # [M, Np]
-        return y[:, :N]
+        if wgrad:  # x in 1x128 tiles [M, Kp], and x.T in 1x128 tiles [K, Mp] for the weight gradient
+            xq, xs, xt_q, xt_s = torch.ops.glm52.fp8_quantize_pair(x)
+        else:
+            (xq, xs), xt_q, xt_s = _quant(x, "1x128"), None, None
+        y = _mm((xq, xs), _quant(w, "128x128"), x.dtype)                          # [M, Np]
+        return y[:, :N], xt_q, xt_s
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w = inputs
-        ctx.save_for_backward(x, w)
+        x, w, _ = inputs
+        _, xt_q, xt_s = output
+        ctx.mark_non_differentiable(*(t for t in (xt_q, xt_s) if t is not None))
+        ctx.save_for_backward(xt_q, xt_s, w)
+        ctx.in_features = x.shape[1]
 
     @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, w = ctx.saved_tensors
-        (M, K), N = x.shape, w.shape[0]
+    def backward(ctx, dy: Tensor, *_unused):
+        xt_q, xt_s, w = ctx.saved_tensors
+        K = ctx.in_features
         dx = dw = None
         if ctx.needs_input_grad[0]:
             w_q, w_s = _quant(w, "128x128")                                        # [Np, Kp], [Np/128, Kp/128]
             wt = (w_q.t().contiguous(), w_s.t().contiguous())                     # blocks of w.T = blocks.T
-            dx = _mm(_quant(dy, "1x128"), wt, x.dtype)[:, :K]                     # [M, K]
+            dx = _mm(_quant(dy, "1x128"), wt, dy.dtype)[:, :K]                    # [M, K]
         if ctx.needs_input_grad[1]:
             dyt = _quant(dy, "1x128_t")                                           # [N, Mp] tiles along tokens
-            xt = _quant(x, "1x128_t")                                             # [K, Mp]
-            dw = _mm(dyt, xt, w.dtype)                                            # [N, K]
-        return dx, dw
+            dw = _mm(dyt, (xt_q, xt_s), w.dtype)                                  # [N, K]
+        return dx, dw, None
 
 
 def fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight.T`` with tile-wise FP8 GEMMs; x is [..., K], weight [N, K]. No bias."""
-    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight)
+    wgrad = torch.is_grad_enabled() and weight.requires_grad
+    y = _FP8Linear.apply(x.reshape(-1, x.shape[-1]), weight, wgrad)[0]
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 

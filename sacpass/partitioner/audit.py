@@ -12,11 +12,26 @@ import torch
 import torch.fx
 
 from ..nodes import NodeFacts, dtype_text, op_name, recomputed_names, shape_text, tensor_nbytes, tag_name
-from ..report import GRAPH_INPUT, MIN_CUT, OFFLOAD, PYTORCH_MUST_SAVE, Decision, Report, SavedTensor
-from ..selectors import DiscreteSelector
+from ..passes.plan import PlanResult
 from ..passes.tag_policy import TagResult
+from ..report import GRAPH_INPUT, MIN_CUT, OFFLOAD, PYTORCH_MUST_SAVE, Report, SavedTensor
+from ..selectors import DiscreteSelector
 
-__all__ = ["Audit", "audit_partition", "describe_partition"]
+__all__ = ["PartitionFacts", "Audit", "audit_partition", "describe_partition"]
+
+
+@dataclass(frozen=True)
+class PartitionFacts:
+    """What one partition produced, as the audit and the report read it."""
+
+    joint: torch.fx.GraphModule  # the joint graph, tagged
+    nodes: dict[str, NodeFacts]  # its nodes' facts, taken before the min-cut
+    final_tags: dict[str, str | None]  # its nodes' tags after the min-cut (which adds MUST_SAVE at region edges)
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    tags: TagResult  # what the tag pass (and the passes after it) tagged
+    planned: PlanResult  # what the plan stage decided
+    offloaded: dict[str, str]  # saved name -> selector, of what the offload pass moved to the host
 
 
 @dataclass(frozen=True)
@@ -36,8 +51,11 @@ def _where(facts: NodeFacts | None, name: str) -> str:
     return f"{name} ({facts.op}, module {facts.module or '<root>'}, {facts.source or 'unknown source'})"
 
 
-def audit_partition(joint: torch.fx.GraphModule, facts: dict[str, NodeFacts], fw: torch.fx.GraphModule,
-                    bw: torch.fx.GraphModule, tags: TagResult, offloaded: dict[str, str]) -> Audit:
+def audit_partition(partition: PartitionFacts) -> Audit:
+    """What the partition did against the policy: violations (must-save or offload values it did not honour),
+    warnings (discrete decisions the backward recomputes) and must-recompute values PyTorch kept."""
+    joint, facts, fw, bw = partition.joint, partition.nodes, partition.forward, partition.backward
+    tags, offloaded = partition.tags, partition.offloaded
     bw_calls = _calls(bw)
     recomputed = recomputed_names(fw, bw)
     in_backward = set(bw_calls) | set(recomputed.values())     # by name, or the same op on the same values
@@ -110,13 +128,13 @@ def _reasons(tags: TagResult, facts: dict[str, NodeFacts], final_tags: dict[str,
     return reason
 
 
-def describe_partition(graph_id: str, policy: str, facts: dict[str, NodeFacts], final_tags: dict[str, str | None],
-                       fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, tags: TagResult,
-                       offloaded: dict[str, str], audit: Audit, decisions: tuple[Decision, ...],
-                       routed: tuple[str, ...], chosen_by: str = MIN_CUT) -> Report:
-    """The Report of one partition: one row per tensor the backward receives from the forward. A value no
-    tag decided is ``chosen_by`` the min-cut, or by the memory budget when one ran."""
-    reason_of = _reasons(tags, facts, final_tags, offloaded, chosen_by)
+def describe_partition(partition: PartitionFacts, audit: Audit, *, graph_id: str, policy: str,
+                       routed: tuple[str, ...]) -> Report:
+    """The Report of one partition: one row per tensor the backward receives from the forward. A value no tag
+    decided is chosen by the min-cut, or by PyTorch's budget solver when one ran."""
+    facts, fw, bw, tags = partition.nodes, partition.forward, partition.backward, partition.tags
+    planned = partition.planned
+    reason_of = _reasons(tags, facts, partition.final_tags, partition.offloaded, planned.chosen_by)
     saved, symints = [], 0
     for node in bw.graph.nodes:
         if node.op != "placeholder" or node.name.startswith("tangents"):
@@ -138,5 +156,5 @@ def describe_partition(graph_id: str, policy: str, facts: dict[str, NodeFacts], 
     tagged = [dict(r.__dict__) for r in tags.records]
     return Report(graph=graph_id, policy=policy, torch_version=torch.__version__, saved=tuple(saved),
                   saved_symints=symints, recomputed=dict(recomputed), tagged=tuple(tagged),
-                  decisions=decisions, unmatched=tuple(tags.unmatched), violations=audit.violations,
+                  decisions=planned.settled(bw, facts), unmatched=tuple(tags.unmatched), violations=audit.violations,
                   warnings=audit.warnings, routed_checkpoints=routed)

@@ -3,6 +3,9 @@
     tag the policy -> keep discrete decisions -> plan (budget / planner; a model plan's activation inputs)
     -> PyTorch's min-cut -> offload -> audit -> Report
 
+Each pass hands the next a record: ``TagResult`` (tag), ``PlanResult`` (plan: the decisions, the min-cut's
+budget, what to offload or stash), ``PartitionFacts`` (all of it, for the audit and the report).
+
 A thin layer over ``min_cut_rematerialization_partition``: sacpass only adds tags PyTorch already reads
 (and, after the min-cut, moves offloaded values to the host). The partition finds its compile's
 :class:`~sacpass.partitioner.context.CompileContext` and appends its result there; it never calls back.
@@ -18,12 +21,11 @@ import torch.fx
 from ..errors import MustSaveViolation, SacpassError, warn
 from ..nodes import snapshot, tag_name
 from ..passes.discrete import keep_decisions_pass
-from ..passes.offload import activation_inputs, exact_marks, offload_marks, offload_pass
-from ..passes.plan import expected_ms, has_region, plan_pass, release_regions
+from ..passes.offload import offload_pass
+from ..passes.plan import plan_pass
 from ..passes.tag_policy import tag_policy_pass
-from ..plan import ModelPlan
 from ..selectors import DiscreteSelector
-from .audit import audit_partition, describe_partition
+from .audit import PartitionFacts, audit_partition, describe_partition
 from .context import CompileContext, PartitionResult, current
 
 __all__ = ["partition", "SacpassPartitioner", "make_partitioner"]
@@ -55,69 +57,33 @@ def _min_cut(gm, joint_inputs, budget: float | None, **kwargs):
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
 
-def _check_pytorch_budget(tags) -> None:
-    from torch._functorch import config as functorch_config
-
-    kept = tags.names("MUST_SAVE") | tags.names("MUST_CPU_OFFLOAD")
-    if kept and functorch_config.activation_memory_budget == 0:
-        raise SacpassError(
-            "sacpass: torch._functorch.config.activation_memory_budget is 0, which makes PyTorch's partitioner "
-            f"save only graph inputs and drop every MUST_SAVE tag ({len(kept)} from this policy). Use "
-            "sacpass.backend(memory_budget=0) instead (recompute everything but the must-saves), or set "
-            "PyTorch's budget above 0.")
-
-
-def _settle(decisions, bw: torch.fx.GraphModule, facts) -> tuple:
-    """A planned save or offload the partition did not need (the backward reads a value derived from it, kept
-    for another reason) is reported as such, so decisions and saved bytes agree."""
-    import dataclasses
-
-    saved = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
-
-    def kept(name: str) -> bool:  # the node, or one of its getitems / views, is a backward input
-        return any(s == name or (facts.get(s) is not None and facts[s].parent == name) for s in saved)
-
-    return tuple(d if d.action == "recompute" or any(kept(n) for n in d.form or (d.name,)) else
-                 dataclasses.replace(d, action="unneeded", why="the backward reads a value derived from it, "
-                                     "which the partition keeps for another reason")
-                 for d in decisions)
-
-
 def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: CompileContext,
               **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Partition an AOTAutograd joint graph with the context's policy honoured, or raise."""
     cfg = ctx.config
     tags = tag_policy_pass(gm, cfg.policy)
     keep_decisions_pass(gm, tags)
-    model_plan = cfg.plan.key if isinstance(cfg.plan, ModelPlan) else ""  # registered by as_plan
-    inputs = activation_inputs(gm, kwargs.get("static_lifetime_input_indices"), cfg.plan.min_offload_bytes) \
-        if model_plan and cfg.plan.inputs and has_region(gm.graph) else []
-    decisions = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan, inputs=inputs)
-    budget = None
-    if cfg.plan is not None:
-        budget = 1.0
-    elif cfg.memory_budget is not None:
-        budget = 1.0 if cfg.memory_budget == 0 else cfg.memory_budget
-        if cfg.memory_budget > 0:
-            release_regions(gm.graph)
-    else:
-        _check_pytorch_budget(tags)
-    facts = snapshot(gm)
-    text = joint_text(gm)
-    marks, exact = offload_marks(gm), exact_marks(gm)
-    fw, bw = _min_cut(gm, joint_inputs, budget, **kwargs)
-    expected = (expected_ms(fw, cfg.plan.cost), expected_ms(bw, cfg.plan.cost)) if model_plan else (0.0, 0.0)
-    offloaded = offload_pass(fw, bw, marks, kwargs.get("num_fwd_outputs", 0), model_plan, inputs, exact, expected)
+    planned = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan,
+                        static_inputs=kwargs.get("static_lifetime_input_indices"))
+    nodes, text = snapshot(gm), joint_text(gm)
+    fw, bw = _min_cut(gm, joint_inputs, planned.min_cut_budget, **kwargs)
+    offloaded = offload_pass(fw, bw, planned, kwargs.get("num_fwd_outputs", 0))
     final_tags = {n.name: tag_name(n) for n in gm.graph.nodes}  # the min-cut adds MUST_SAVE at region edges
-    decisions = _settle(decisions, bw, facts)
-    audit = audit_partition(gm, facts, fw, bw, tags, offloaded)
-    report = describe_partition(ctx.ids.next(), str(cfg.policy), facts, final_tags, fw, bw, tags, offloaded,
-                                audit, decisions, ctx.routed_checkpoints,
-                                chosen_by="budget" if cfg.memory_budget and cfg.plan is None else "min-cut")
+    facts = PartitionFacts(gm, nodes, final_tags, fw, bw, tags, planned, offloaded)
+    audit = audit_partition(facts)
+    report = describe_partition(facts, audit, graph_id=ctx.ids.next(), policy=str(cfg.policy),
+                                routed=ctx.routed_checkpoints)
     if ctx.uncached:  # the report says why this graph will be partitioned again at every compile
         note = f"compile caches bypassed: {ctx.uncached}"
         report = dataclasses.replace(report, warnings=report.warnings + (note,))
     ctx.results.append(PartitionResult(report, text, fw, bw))
+    _raise_or_warn(audit, cfg)
+    return fw, bw
+
+
+def _raise_or_warn(audit, cfg) -> None:
+    """What the audit found, as the config says: a violation raises (strict) or warns; a recomputed decision
+    warns where the defaults keep decisions; a must-recompute value PyTorch kept warns."""
     if audit.violations:
         msg = ("sacpass: the partition does not honour the policy: " + "; ".join(audit.violations) + ". The "
                "partitioner could not keep the value in the forward (it is only needed by the backward, or is a "
@@ -130,7 +96,6 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
     if audit.kept:
         warn("sacpass: must-recompute node(s) saved for backward anyway: " + "; ".join(audit.kept) + ". "
              "Move the checkpoint boundary, or drop the recompute selector for this op.")
-    return fw, bw
 
 
 def make_partitioner(open_context: Callable[[], CompileContext]):

@@ -1,24 +1,24 @@
 """offload_pass: move the saved values marked for offload to host memory between forward and backward.
 
 Runs on the partitioned graphs, after the min-cut (the only pass that does).
-Requires: the forward and backward graphs of one partition; the joint graph's nodes, whose
-``meta["sacpass_offload"]`` marks the values to offload (set by the tag pass or the planner); the number of
-real forward outputs (``num_fwd_outputs``; the saved values follow them in the forward's output tuple).
+Requires: the forward and backward graphs of one partition; the plan stage's
+:class:`~sacpass.passes.plan.PlanResult` (the values marked for offload, seen through views and casts; the model
+plan's key and the activation inputs it places; its exact values; its cost model); the number of real forward
+outputs (``num_fwd_outputs``; the saved values follow them in the forward's output tuple).
 Ensures: for each saved tensor that is a marked value, or a view or cast of one, the forward computes
 ``host = sacpass::offload(value, i, after)`` as its last op, after every use of the value and, through
 ``after`` (the forward's other outputs, which it does not read), after all of the forward's work, so no
 compiler can move it up and reuse the value's memory while the copy reads it (the copy then overlaps the next
-layer's forward), and saves ``host`` instead (real outputs keep the device tensor); the backward's
-placeholder becomes that host tensor, and ``sacpass::reload(host, device)`` before its first use feeds every
-former user. With a model plan
-(``model_plan``, its key), the values the planner chose go through ``sacpass::stash`` / ``sacpass::unstash``
-instead: the forward saves a handle, and the runtime places each value per call (device or host), so layers
-that share the graph place theirs differently (:mod:`sacpass.offload`); so do the graph inputs named in
-``inputs`` that the backward receives (:func:`activation_inputs`: a layer's hidden states, not its
-parameters). Under a dynamic-shape compile, unstash's sizes and strides are built from the backward's own inputs
-(a SymInt input, or a dimension of a tensor input that keeps its value); a placed value with a size none of
-them carries goes through ``sacpass::offload`` instead (to the host in every layer), with a warning that names
-it. The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's vocabulary) for printing.
+layer's forward), and saves ``host`` instead (real outputs keep the device tensor); the backward's placeholder
+becomes that host tensor, and ``sacpass::reload(host, device)`` before its first use feeds every former user.
+With a model plan, the values the planner chose, and the placed activation inputs the backward receives (a
+layer's hidden states, never its parameters), go through ``sacpass::stash`` / ``sacpass::unstash`` instead: the
+forward saves a handle, and the runtime places each value per call (device or host), so layers that share the
+graph place theirs differently (:mod:`sacpass.offload`). Under a dynamic-shape compile, unstash's sizes and
+strides are built from the backward's own inputs (a SymInt input, or a dimension of a tensor input that keeps its
+value); a placed value with a size none of them carries goes through ``sacpass::offload`` instead (to the host in
+every layer), with a warning that names it. The forward's node is re-tagged ``MUST_CPU_OFFLOAD`` (PyTorch's
+vocabulary) for printing.
 Returns {saved name: selector} of what it offloaded.
 """
 from __future__ import annotations
@@ -27,52 +27,11 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .. import offload as _ops  # noqa: F401  (registers torch.ops.sacpass.offload / reload)
-from ..nodes import is_cast_or_view, tensor_nbytes
-from .tag_policy import EXACT_KEY, OFFLOAD_KEY
+from ..offload import ops as _ops  # noqa: F401  (declares torch.ops.sacpass.*)
+from ..nodes import is_cast_or_view
+from .plan import PlanResult, expected_ms
 
-__all__ = ["offload_pass", "offload_marks", "exact_marks", "activation_inputs"]
-
-
-def _through_views(joint: torch.fx.GraphModule, key: str) -> dict[str, object]:
-    """{joint node name: node.meta[key]} of the nodes that carry ``key``, and of the views and casts of them."""
-    marks: dict[str, object] = {}
-    for node in joint.graph.nodes:
-        if key in node.meta:
-            marks[node.name] = node.meta[key]
-        elif node.op == "call_function" and is_cast_or_view(node) and node.all_input_nodes:
-            parent = node.all_input_nodes[0].name
-            if parent in marks:
-                marks[node.name] = marks[parent]
-    return marks
-
-
-def offload_marks(joint: torch.fx.GraphModule) -> dict[str, str]:
-    """{joint node name: selector} of the values marked for offload, seen through views and casts."""
-    return _through_views(joint, OFFLOAD_KEY)
-
-
-def exact_marks(joint: torch.fx.GraphModule) -> set[str]:
-    """The joint node names of the values a ModelPlan(exact=) sends to the host unpacked, seen through views
-    and casts."""
-    return set(_through_views(joint, EXACT_KEY))
-
-
-def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: int = 0) -> list[str]:
-    """The joint graph's primal inputs that are activations: dense tensors of at least ``min_bytes`` that are not
-    among ``static_indices`` (AOTAutograd's static inputs: parameters and buffers) and that the graph does not
-    write into. With ``static_indices`` None (a caller that does not say which inputs are parameters) none are:
-    a parameter must never be moved to the host."""
-    if static_indices is None:
-        return []
-    static = set(static_indices)
-    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-    written = {n.args[0] for n in joint.graph.nodes if n.op == "call_function" and
-               getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable and n.args}
-    return [n.name for i, n in enumerate(primals)
-            if i not in static and n not in written and isinstance(n.meta.get("val"), torch.Tensor)
-            and torch._prims_common.is_non_overlapping_and_dense_or_false(n.meta["val"])
-            and tensor_nbytes(n.meta["val"]) >= min_bytes]
+__all__ = ["offload_pass"]
 
 
 def _warn_offloaded(name: str, missing: str) -> None:
@@ -171,15 +130,17 @@ class _SymSizes:
         return [v if not isinstance(v, torch.SymInt) else self._build(v.node.expr, before) for v in values]
 
 
-def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, marks: dict[str, str],
-                 num_fwd_outputs: int, model_plan: str = "", inputs=(), exact=frozenset(),
-                 expected_ms: tuple[float, float] = (0.0, 0.0)) -> dict[str, str]:
-    """Rewrite ``forward`` and ``backward`` (see the module docstring). ``exact``: the names of the placed values
-    the runtime must not pack (their stash says ``pack=False``). ``expected_ms``: the (forward, backward) ms the
-    cost model expects of these graphs, carried by the first stash for the run time's per-region report."""
-    inputs = set(inputs) if model_plan else set()
+def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, planned: PlanResult,
+                 num_fwd_outputs: int) -> dict[str, str]:
+    """Rewrite ``forward`` and ``backward`` (see the module docstring) as ``planned`` says: its offload marks, its
+    model plan and the activation inputs it places, and its exact values (their stash says ``pack=False``). With
+    a model plan, the first stash carries the (forward, backward) ms its cost model expects of these graphs, for
+    the run time's per-region report."""
+    marks, model_plan, exact = planned.offload_marks, planned.model_plan, planned.exact
+    inputs = set(planned.placed_inputs) if model_plan else set()
     if not marks and not inputs:
         return {}
+    expected = (expected_ms(forward, planned.cost), expected_ms(backward, planned.cost)) if model_plan else (0.0, 0.0)
     out_node = forward.graph.find_nodes(op="output")[0]
     outputs = list(out_node.args[0])
     real_outputs = {n for n in outputs[:num_fwd_outputs] if isinstance(n, torch.fx.Node)}
@@ -222,7 +183,7 @@ def offload_pass(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         if node in placed:
             args = (node, stashed, model_plan, after) + ((False,) if node.name in exact else ())
             if stashed == 0:  # the region's first: it also carries the graphs' expected times
-                args = (node, stashed, model_plan, after, node.name not in exact) + tuple(expected_ms)
+                args = (node, stashed, model_plan, after, node.name not in exact) + expected
             host = _insert(forward.graph, out_node, torch.ops.sacpass.stash.default, args, f"{node.name}_stash")
             placeholder.meta["sacpass_stashed"] = val  # what the handle stands for (the report's row)
             stashed += 1

@@ -23,23 +23,27 @@ knapsack), ``1.0`` partitions as without activation checkpointing, ``0`` keeps t
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..errors import warn
-from ..nodes import (backward_part, is_cheap_unary, is_getitem, is_view, module_path, node_op, op_name, size_hint,
-                     tensor_nbytes, unpackers)
+from ..errors import SacpassError, warn
+from ..nodes import (backward_part, is_cast_or_view, is_cheap_unary, is_getitem, is_view, module_path, node_op,
+                     op_name, size_hint, tensor_nbytes, unpackers)
+from ..calibration import op_signature
 from ..compression import packed_bytes
-from ..offload import host_limit, host_pool_bytes, packs
+from ..offload.sizes import host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
-from ..report import PLAN, Decision
-from .tag_policy import EXACT_KEY, OFFLOAD, TagResult
+from ..report import BUDGET, MIN_CUT, PLAN, Decision
+from .tag_policy import EXACT_KEY, OFFLOAD, OFFLOAD_KEY, TagResult
 
-__all__ = ["plan_pass", "release_regions", "node_seconds", "expected_ms", "has_region"]
+__all__ = ["plan_pass", "PlanResult", "release_regions", "activation_inputs", "node_seconds", "expected_ms",
+           "has_region"]
 
 
 def _meta(val):
@@ -67,10 +71,16 @@ def _tensor_bytes(val) -> int:
 
 
 def node_seconds(node: torch.fx.Node, cost: CostModel) -> float:
-    """Estimated run time of one node (0 for views, getitems and placeholders)."""
+    """Estimated run time of one node (0 for views, getitems and placeholders): the cost model's measured time
+    for this op at these input shapes, else its rates."""
     op = node_op(node)
     if op is None or is_view(node) or is_getitem(node):
         return 0.0
+    if cost.op_seconds:  # measured at these shapes on this device
+        values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        measured = cost.measured(op_signature(op, values))
+        if measured is not None:
+            return measured
     from torch.utils.flop_counter import flop_registry
 
     flops = 0.0
@@ -209,6 +219,54 @@ def _attribute_costs(graph: torch.fx.Graph, backward: set[torch.fx.Node], cands:
             cands[w].seconds += share
 
 
+def _from_tangents(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The joint graph's nodes computed from tangents: gradients, and what is computed from them."""
+    grads: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
+                any(inp in grads for inp in node.all_input_nodes):
+            grads.add(node)
+    return grads
+
+
+_SUMS_VALUE_TIMES_GRADIENT = ("aten::_softmax_backward_data", "aten::_log_softmax_backward_data")
+
+
+def _sensitive(cand: _Candidate, grads: set[torch.fx.Node]) -> str:
+    """Why the backward is sensitive to ``cand``'s values, or "": where it sums a value times its own gradient
+    (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``), a difference of near-equal terms that a
+    lossy copy of the value disturbs most. Seen as: a custom op or a softmax backward that reads the value with a
+    gradient of the value's shape, or a ``mul`` of the two that a ``sum`` over a dimension reduces."""
+    for value in cand.form if cand.form is not None else cand.outputs:
+        val = value.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        seen, stack, readers = {value}, [value], []
+        while stack:  # the value, and its views and casts (a detach, a layout copy)
+            for user in stack.pop().users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user not in grads and is_cast_or_view(user):
+                    stack.append(user)
+                else:
+                    readers.append(user)
+        for user in readers:
+            op = node_op(user)
+            if op is None or user not in grads:
+                continue
+            same = [g for g in user.all_input_nodes if g not in seen and g in grads
+                    and isinstance(g.meta.get("val"), torch.Tensor) and g.meta["val"].shape == val.shape]
+            if not same:
+                continue
+            name = op_name(user).split(".")[0]
+            if op.namespace not in ("aten", "prims") or name in _SUMS_VALUE_TIMES_GRADIENT:
+                return f"{name} reads it with its gradient"
+            if name == "aten::mul" and any(node_op(u) is torch.ops.aten.sum.dim_IntList for u in user.users):
+                return "its backward sums it times its gradient"
+    return ""
+
+
 def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool, exact: str = "") -> None:
     kept = cand.form if cand.form is not None else [cand.node] + [u for u in unpackers(cand.node)]
     for t in kept:
@@ -233,6 +291,7 @@ def release_regions(graph: torch.fx.Graph) -> int:
 def _check_host_limit(plan: Plan) -> None:
     """A plan whose host budget, over its layers, passes the offload runtime's limit would stop a step with an
     OffloadError once the pool reaches the limit: say so when the plan is made, not hours into a run."""
+    from ..offload import host_limit
     per_step = plan.host_budget() * plan.layers
     if per_step > host_limit():
         warn(f"sacpass: Plan(host_bytes={plan.host_bytes}, layers={plan.layers}) may offload {per_step} bytes a step, "
@@ -271,28 +330,125 @@ def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: b
     return out, pooled
 
 
-def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
-              plan: Plan | None, inputs=()) -> tuple[Decision, ...]:
-    """Tag the candidates (see the module docstring); returns one Decision per candidate. A memory budget
-    without a plan is left to PyTorch's solver (see :func:`release_regions`); this pass then does nothing.
-    ``inputs``: the graph inputs a :class:`ModelPlan` places (their bytes come out of the region's share)."""
+@dataclass(frozen=True)
+class PlanResult:
+    """What the budget / planner stage hands on to the min-cut, the offload pass and the report."""
+
+    decisions: tuple[Decision, ...] = ()  # one per candidate (and per activation input a model plan places)
+    min_cut_budget: float | None = None  # PyTorch's activation_memory_budget for the min-cut; None: its own
+    chosen_by: str = MIN_CUT  # the reason of a saved value no tag decided: the min-cut, or PyTorch's budget solver
+    model_plan: str = ""  # the ModelPlan's key ("" without one): its values go through stash / unstash
+    placed_inputs: tuple[str, ...] = ()  # the activation inputs the model plan places
+    offload_marks: Mapping[str, str] = field(default_factory=dict)  # joint node -> selector, through views
+    exact: frozenset = frozenset()  # joint nodes a compressing model plan sends to the host unpacked
+    cost: CostModel | None = None  # the model plan's cost model: what each graph is expected to take
+
+    def settled(self, backward: torch.fx.GraphModule, nodes: Mapping[str, object]) -> tuple[Decision, ...]:
+        """The decisions as the partition took them: a planned save or offload the partition did not need (the
+        backward reads a value derived from it, kept for another reason) is ``unneeded``, so decisions and saved
+        bytes agree. ``nodes``: the joint graph's node facts."""
+        saved = {n.name for n in backward.graph.nodes if n.op == "placeholder"}
+
+        def kept(name: str) -> bool:  # the node, or one of its getitems / views, is a backward input
+            return any(s == name or (nodes.get(s) is not None and nodes[s].parent == name) for s in saved)
+
+        return tuple(d if d.action == "recompute" or any(kept(n) for n in d.form or (d.name,)) else
+                     dataclasses.replace(d, action="unneeded", why="the backward reads a value derived from it, "
+                                         "which the partition keeps for another reason")
+                     for d in self.decisions)
+
+
+def _through_views(joint: torch.fx.GraphModule, key: str) -> dict[str, object]:
+    """{joint node name: node.meta[key]} of the nodes that carry ``key``, and of the views and casts of them."""
+    marks: dict[str, object] = {}
+    for node in joint.graph.nodes:
+        if key in node.meta:
+            marks[node.name] = node.meta[key]
+        elif node.op == "call_function" and is_cast_or_view(node) and node.all_input_nodes:
+            parent = node.all_input_nodes[0].name
+            if parent in marks:
+                marks[node.name] = marks[parent]
+    return marks
+
+
+def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: int = 0) -> list[str]:
+    """The joint graph's primal inputs that are activations: dense tensors of at least ``min_bytes`` that are not
+    among ``static_indices`` (AOTAutograd's static inputs: parameters and buffers) and that the graph does not
+    write into. With ``static_indices`` None (a caller that does not say which inputs are parameters) none are:
+    a parameter must never be moved to the host."""
+    if static_indices is None:
+        return []
+    static = set(static_indices)
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    written = {n.args[0] for n in joint.graph.nodes if n.op == "call_function" and
+               getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable and n.args}
+    return [n.name for i, n in enumerate(primals)
+            if i not in static and n not in written and isinstance(n.meta.get("val"), torch.Tensor)
+            and torch._prims_common.is_non_overlapping_and_dense_or_false(n.meta["val"])
+            and tensor_nbytes(n.meta["val"]) >= min_bytes]
+
+
+def _check_pytorch_budget(tags: TagResult) -> None:
+    from torch._functorch import config as functorch_config
+
+    kept = tags.names("MUST_SAVE") | tags.names("MUST_CPU_OFFLOAD")
+    if kept and functorch_config.activation_memory_budget == 0:
+        raise SacpassError(
+            "sacpass: torch._functorch.config.activation_memory_budget is 0, which makes PyTorch's partitioner "
+            f"save only graph inputs and drop every MUST_SAVE tag ({len(kept)} from this policy). Use "
+            "sacpass.backend(memory_budget=0) instead (recompute everything but the must-saves), or set "
+            "PyTorch's budget above 0.")
+
+
+def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None, plan: Plan | None,
+              static_inputs=None) -> PlanResult:
+    """The budget / planner stage (see the module docstring): tags the candidates and says how the min-cut runs.
+    A memory budget without a plan is left to PyTorch's solver over the released regions (see
+    :func:`release_regions`); without either, PyTorch's own ``activation_memory_budget`` must keep the tags
+    (0 drops them: refused). ``static_inputs``: AOTAutograd's static input indices (parameters, buffers), which
+    tell a model plan the activation inputs it places from the weights it never moves."""
+    model_plan = isinstance(plan, ModelPlan) and has_region(gm.graph)  # a graph without regions: nothing to place
+    assert not model_plan or plan.resolved, "sacpass: a graph with regions partitioned before its model plan resolved"
+    inputs = activation_inputs(gm, static_inputs, plan.min_offload_bytes) if model_plan and plan.inputs else []
+    decisions = _choose(gm, tags, memory_budget=memory_budget, plan=plan, inputs=inputs)
+    budget, chosen_by = None, MIN_CUT
+    if plan is not None:
+        budget = 1.0  # the plan's tags decide; PyTorch's knapsack does not run
+    elif memory_budget is not None:
+        budget = 1.0 if memory_budget == 0 else memory_budget
+        if memory_budget > 0:
+            release_regions(gm.graph)
+            chosen_by = BUDGET
+    else:
+        _check_pytorch_budget(tags)
+    return PlanResult(decisions=decisions, min_cut_budget=budget, chosen_by=chosen_by,
+                      model_plan=plan.key if model_plan else "", placed_inputs=tuple(inputs),
+                      offload_marks=_through_views(gm, OFFLOAD_KEY), exact=frozenset(_through_views(gm, EXACT_KEY)),
+                      cost=plan.cost if model_plan else None)
+
+
+def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None,
+            plan: Plan | None, inputs=()) -> tuple[Decision, ...]:
+    """Tag the candidates (see the module docstring); returns one Decision per candidate. ``inputs``: the graph
+    inputs a :class:`ModelPlan` places (their bytes come out of the region's share)."""
+    graph = gm.graph
     if plan is None:
         return ()
-    graph = gm.graph
+    if not has_region(graph):
+        warn("sacpass: the planner chooses what checkpointed regions keep; this graph has no checkpointed "
+             "region, so PyTorch's partitioner decides it alone. Wrap the layers in torch.utils.checkpoint inside "
+             "the compiled function to plan them.")
+        return ()
     placed_inputs: list[Decision] = []
     compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
     exact = plan.exact if isinstance(plan, ModelPlan) else ()
+    grads = _from_tangents(graph) if compress and exact is None else set()  # exact=None: the sensitive values
     if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
         placed_inputs, on_host = _input_decisions(graph, inputs, plan.cost, compress)
         plan = plan.region_plan(on_host)
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()
     cands = _candidates(graph, backward)
-    if not has_region(graph):
-        warn("sacpass: the planner chooses what checkpointed regions keep; this graph has no checkpointed "
-             "region, so PyTorch's partitioner decides it alone. Wrap the layers in torch.utils.checkpoint inside "
-             "the compiled function to plan them.")
-        return ()
     _attribute_costs(graph, backward, cands, cost)
     total = sum(c.nbytes for c in cands.values())
     gpu_left = int(memory_budget * total) if memory_budget is not None else plan.gpu_bytes
@@ -304,7 +460,9 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
         # what the host pool really hands out for it (a block per tensor), and what its copy moves
-        named = next((str(sel) for sel in exact if sel(c.node)), "")  # kept bit for bit: never packed
+        # kept bit for bit, never packed: what exact= names, or by default what the backward is sensitive to
+        named = next((str(sel) for sel in exact if sel(c.node)), "") if exact is not None else \
+            (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else "")
         on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress and not named)
         copy_ms = 1e3 * cost.copy_seconds(copied)
         if c.nbytes <= gpu_left:
@@ -317,6 +475,8 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             if copied < c.nbytes:
                 why += f"; on the host FP8-packed ({copied} bytes, lossy)"
+            elif named.startswith("sensitive: "):
+                why += f"; on the host unpacked ({named.removeprefix('sensitive: ')})"
             elif named:
                 why += f"; on the host unpacked (exact={named})"
             _tag(tags, c, OFFLOAD, offload=True, exact=named)

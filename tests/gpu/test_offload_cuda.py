@@ -11,6 +11,7 @@ import torch
 
 import sacpass
 import sacpass.offload as offload_runtime
+from sacpass.offload.runtime import process_runtime
 from sacpass.testing import OpCounter
 from toy import CompiledStack, ToyLayer
 
@@ -104,9 +105,9 @@ def test_a_read_reload_is_reused_at_once_and_an_unread_one_after_its_copy():
     h_small = torch.ops.sacpass.offload(small, 0, [])
     h_big = torch.ops.sacpass.offload(big, 1, [])
     torch.cuda.synchronize()
-    h2d = offload_runtime._stream("h2d", torch.device("cuda"))
+    h2d = process_runtime().device(("cuda", torch.cuda.current_device())).streams.get("h2d")
     got = torch.ops.sacpass.reload(h_small, torch.device("cuda"))  # issues small's copy, then prefetches big's
-    entry = offload_runtime._ENTRIES[h_big.data_ptr()]
+    entry = process_runtime().transfers.entries[h_big.data_ptr()]
     assert entry.reload is not None and not h2d.query()      # big's copy queued behind small's, running
     ptr, value = got.data_ptr(), got.clone()
     del got

@@ -38,6 +38,12 @@ def test_quantize_op(tiles):
         q2, s2 = quantize_1x128(x.t())
         assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     torch.library.opcheck(torch.ops.glm52.fp8_quantize, (x, tiles))
+    if tiles == "1x128":  # the pair: both tilings of x, as the two single ops give them
+        pair = torch.ops.glm52.fp8_quantize_pair(x)
+        single = (*torch.ops.glm52.fp8_quantize(x, "1x128"), *torch.ops.glm52.fp8_quantize(x, "1x128_t"))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == FP8_DTYPE else torch.equal(a, b)
+                   for a, b in zip(pair, single))
+        torch.library.opcheck(torch.ops.glm52.fp8_quantize_pair, (x,))
     with pytest.raises(RuntimeError, match="tiles='2x2'"):
         torch.ops.glm52.fp8_quantize(x, "2x2")
 
@@ -90,3 +96,29 @@ def test_opcheck(b_kind):
     for t, t0 in zip((*a, *b), before):
         assert torch.equal(t.view(torch.uint8) if t.dtype == FP8_DTYPE else t, t0)
         assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_the_linear_saves_the_weight_gradient_s_operand_instead_of_its_input():
+    """The backward's x.T in 1x128 tiles is computed in the forward and saved in x's place: fp8 and its scales,
+    about half of x's bytes, and the gradients are the ones computed from x itself."""
+    from glm52_model.ops.fp8 import _mm, _quant, fp8_linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 512, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = torch.randn(384, 512, generator=g).to(torch.bfloat16).requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = fp8_linear(x, w)
+    activations = [t for t in saved if t.data_ptr() != w.data_ptr()]
+    assert all(t.data_ptr() != x.data_ptr() for t in saved)
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in activations) == [
+        ("torch.float32", (512, 2)), ("torch.float8_e4m3fn", (512, 256))]
+    assert sum(t.numel() * t.element_size() for t in activations) <= 0.52 * x.numel() * x.element_size()
+    dy = torch.randn(256, 384, generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    assert torch.equal(w.grad, _mm(_quant(dy, "1x128_t"), _quant(x.detach(), "1x128_t"), w.dtype))
+    frozen = w.detach()
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8_linear(x, frozen)
+    assert [t.data_ptr() for t in saved] == [frozen.data_ptr()]  # no weight gradient: nothing of x is kept

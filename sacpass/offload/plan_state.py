@@ -1,0 +1,144 @@
+"""The run-time state of one :class:`~sacpass.ModelPlan`: where each value of the step waits, from the step
+before, and the step as it runs (what it recorded, placed and measured).
+
+Equal plans share one state (keyed by the plan's key). Each step is placed from the sizes the step before
+recorded (:func:`~sacpass.offload.placement.place_step`); the first, which has none, places values as they come
+(:func:`~sacpass.offload.placement.place_arriving`). With a peak cap the device budget follows the measured peak
+(:func:`~sacpass.offload.placement.follow_peak`), read as each backward ends.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import compression
+from . import clocks
+from .placement import Budgets, Key, follow_peak, later_device_bytes, place_arriving, place_step
+from .sizes import packed_pool_bytes, pool_bytes
+from .timeline import Timeline
+
+__all__ = ["PlanState", "device_peak"]
+
+
+def device_peak(device: tuple[str, int]) -> int | None:
+    """The device's peak allocated memory (since the process began or the last reset_peak_memory_stats), where
+    there is one (a GPU)."""
+    return torch.cuda.max_memory_allocated(device[1]) if device[0] == "cuda" else None
+
+
+@dataclass(eq=False)
+class PlanState:
+    """Where one model plan puts each value: {(region, index): "device" | "host"}, from the step before."""
+
+    regions: int  # the regions the plan was made for (ModelPlan.layers)
+    gpu_bytes: int  # the device budget it starts at, and never goes below
+    host_bytes: int
+    compress: bool = False  # floating values go to the host FP8-packed (ModelPlan(compress="fp8"))
+    copy_bytes_per_s: float = 0.0  # the plan's cost model: a region's expected copy time, beside the measured
+    peak_bytes: int | None = None  # ModelPlan(peak_bytes=): the device budget follows the measured peak
+    spelled: str = ""  # how the plan reads, for errors
+    lock: "threading.RLock" = field(default_factory=threading.RLock)  # the runtime's
+    say: Callable[[str], None] = print  # the runtime's warnings, given once its op is done
+    table: dict[Key, str] = field(default_factory=dict)
+    recording: dict[Key, int] = field(default_factory=dict)  # this step: key -> device bytes
+    host_sizes: dict[Key, int] = field(default_factory=dict)  # this step: key -> pool bytes on the host
+    placed: dict[Key, tuple[str, int]] = field(default_factory=dict)  # this step: where, bytes
+    last: dict[Key, tuple[str, int]] = field(default_factory=dict)  # the step before: where, bytes
+    host_used: int = 0  # this step
+    device_used: int = 0
+    region_bytes: dict[int, int] = field(default_factory=dict)  # this step: region -> its values' bytes so far
+    timeline: Timeline = field(default_factory=Timeline)  # this step's
+    last_timeline: Timeline = field(default_factory=Timeline)  # the step before's
+    device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
+    device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
+    peak_read: int | None = None  # the device's peak as the last step's backward ended
+    step_peak: int | None = None  # this step's: read at the end of each backward that unstashed its values
+    task: int = -1  # the backward whose end is awaited (its final callback queued)
+    warned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device_budget < 0:
+            self.device_budget = self.gpu_bytes
+
+    def budgets(self) -> Budgets:
+        return Budgets(self.regions, self.device_budget, self.host_bytes, self.spelled)
+
+    def new_step(self) -> None:
+        """The step before is over: where a backward ran in it, its sizes and measured peak place the next one. A
+        forward whose backward never ran (an exception part way, an evaluation under grad) is not a step to
+        place from: the next step is placed as it would have been without it."""
+        if self.recording and self.timeline.backward_began:
+            self._follow_peak()
+            self.table = place_step(self.recording, self.budgets(), self.host_sizes)
+            self.last = dict(self.placed)
+            self.last_timeline = self.timeline
+        self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
+        self.host_used, self.device_used, self.timeline = 0, 0, Timeline()
+
+    def note_forward(self, region: int, device: torch.device, forward_ms: float, backward_ms: float) -> None:
+        """At a region's first stash (its forward's work all issued): mark when it is done, and keep what its
+        graph's cost model expects of its forward and backward."""
+        self.timeline.forward_done[region] = clocks.clock(device)
+        self.timeline.expected[region] = (forward_ms, backward_ms)
+
+    def note_backward(self, region: int, device: torch.device) -> None:
+        """At each unstash, inside a backward: the first of region ``region`` marks when its backward began; the
+        backward's end (an autograd final callback, queued once per backward) marks when it ended and, with
+        peak_bytes, reads the device's peak then, so a reset_peak_memory_stats between steps leaves the step's
+        own peak to read."""
+        timeline = self.timeline
+        if region not in timeline.backward_began:
+            timeline.backward_began[region] = clocks.clock(device)
+        task = torch._C._current_graph_task_id()
+        if task < 0 or task == self.task:
+            return
+        self.task = task
+
+        def ended() -> None:
+            mark = clocks.clock(device)
+            peak = device_peak(self.device) if self.peak_bytes is not None and self.device is not None else None
+            with self.lock:
+                timeline.backward_ended = mark
+                if peak is not None:
+                    self.step_peak = max(self.step_peak or 0, peak)
+        torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    def _follow_peak(self) -> None:
+        peak, self.step_peak = self.step_peak, None
+        if peak is None:
+            return
+        move = follow_peak(self.device_budget, self.gpu_bytes, self.peak_bytes, peak, self.peak_read,
+                           everything=sum(self.recording.values()))
+        if move.at_floor_past_cap and not self.warned:
+            self.warned = True
+            self.say(
+                f"sacpass: ModelPlan(peak_bytes={self.peak_bytes}): the step peaked at {peak} bytes on the device "
+                f"with the device budget at gpu_bytes={self.gpu_bytes}, the least it keeps. Lower gpu_bytes, or "
+                f"raise peak_bytes to what the step needs; the plan goes on at gpu_bytes. (The peak read is "
+                f"torch.cuda.max_memory_allocated(): if the compiling step set it, call "
+                f"torch.cuda.reset_peak_memory_stats() after that step.)")
+        self.device_budget = move.device_budget
+        self.peak_read = peak
+
+    def place(self, region: int, index: int, nbytes: int, packed: int | None = None) -> str:
+        """Where value ``index`` of region ``region`` waits: the table's place (from the step before), or in the
+        first step :func:`place_arriving`'s. ``packed``: the value's elements when it would go to the host
+        FP8-packed (its host bytes are then those of the packed form)."""
+        key = (region, index)
+        size = pool_bytes(nbytes) if packed is None else packed_pool_bytes(packed)
+        self.recording[key] = nbytes
+        self.host_sizes[key] = size
+        where = self.table.get(key) if self.table else None
+        if where is None:
+            later = later_device_bytes(region, self.regions, self.region_bytes, self.device_budget)
+            self.region_bytes[region] = self.region_bytes.get(region, 0) + nbytes
+            where = place_arriving(key, nbytes, size, self.budgets(), self.device_used, self.host_used, later)
+        if where == "host":
+            self.host_used += size
+        else:
+            self.device_used += nbytes
+        self.placed[key] = (where, nbytes if where == "device" or packed is None else compression.packed_bytes(packed))
+        return where

@@ -1,0 +1,50 @@
+"""Bytes: what a value takes in sacpass's host pool, and the layout of its host copy. Pure functions, read by
+the planner at compile time and by the runtime."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import compression
+
+__all__ = ["ALIGN", "pool_bytes", "packs", "packed_pool_bytes", "host_pool_bytes", "host_layout", "format_bytes"]
+
+ALIGN = 512  # bytes: every block of the pool starts and ends on this boundary
+
+
+def pool_bytes(nbytes: int) -> int:
+    """The pool bytes one offloaded tensor of ``nbytes`` takes (its block: rounded up to ``ALIGN``)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def packs(dtype: torch.dtype, compress: bool) -> bool:
+    """Whether a value of ``dtype`` goes to the host FP8-packed under a plan that compresses (floating ones)."""
+    return compress and dtype in compression.COMPRESSIBLE
+
+
+def packed_pool_bytes(numel: int) -> int:
+    """The pool bytes of ``numel`` elements FP8-packed: the blocks of the elements and of their scales."""
+    return pool_bytes(numel) + pool_bytes(compression.packed_bytes(numel) - numel)
+
+
+def host_pool_bytes(numel: int, dtype: torch.dtype, compress: bool = False) -> int:
+    """The pool bytes a value of ``numel`` elements of ``dtype`` takes on the host: its block, or with
+    ``compress`` and a floating dtype the blocks of its FP8 elements and their scales
+    (:mod:`sacpass.compression`)."""
+    return packed_pool_bytes(numel) if packs(dtype, compress) else pool_bytes(numel * dtype.itemsize)
+
+
+def host_layout(x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(sizes, strides, bytes) of ``x``'s host copy: its own strides where they are dense, else contiguous."""
+    shape = tuple(x.shape)
+    if torch._prims_common.is_non_overlapping_and_dense_or_false(x):
+        stride = tuple(x.stride())
+    else:
+        stride = tuple(torch._prims_common.make_contiguous_strides_for(shape)) if shape else ()
+    extent = 0 if x.numel() == 0 else 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+    return shape, stride, extent * x.element_size()
+
+
+def format_bytes(nbytes: int) -> str:
+    """GiB from one up, bytes below (a small limit reads as what it is)."""
+    return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes} bytes"

@@ -1,0 +1,130 @@
+"""Where a model plan's values wait, as pure functions on synthetic step profiles (no model, no device).
+
+A profile is {(region, index): bytes}. The rules pinned here: budgets are met or the error names the smallest
+budgets that hold the step (and those do), the last regions are the ones kept on the device, regions past the
+plan's count always go to the host, the first step (placed value by value as it comes) places a step of equal
+regions as the steps after it do, and the device budget follows the measured peak.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sacpass
+from sacpass.offload.placement import (Budgets, follow_peak, later_device_bytes, place_arriving, place_step,
+                                       smallest_budgets)
+from sacpass.offload.sizes import pool_bytes
+
+
+def uniform(regions: int, values: list[int]) -> dict:
+    """Every region with the same values (layers that share one graph)."""
+    return {(r, i): n for r in range(regions) for i, n in enumerate(values)}
+
+
+def on(table: dict, where: str) -> set:
+    return {k for k, w in table.items() if w == where}
+
+
+def test_a_device_budget_of_k_regions_keeps_the_last_k_regions():
+    sizes = uniform(6, [4096, 1024, 512])
+    region = 4096 + 1024 + 512
+    for k in range(7):
+        table = place_step(sizes, Budgets(6, k * region, 1 << 30))
+        assert {r for r, _ in on(table, "device")} == set(range(6 - k, 6)), k
+
+
+def test_what_is_left_of_the_device_budget_goes_to_the_next_region_back_value_by_value():
+    sizes = uniform(3, [4096, 1024, 512])
+    table = place_step(sizes, Budgets(3, 5632 + 1024 + 512, 1 << 30))  # region 2, then what fits of region 1
+    assert on(table, "device") == {(2, 0), (2, 1), (2, 2), (1, 2), (1, 1)}
+
+
+def test_regions_past_the_plans_count_always_go_to_the_host():
+    sizes = uniform(5, [1000])
+    table = place_step(sizes, Budgets(3, 1 << 30, 1 << 30))
+    assert on(table, "host") == {(3, 0), (4, 0)} and on(table, "device") == {(0, 0), (1, 0), (2, 0)}
+
+
+def test_a_step_the_host_cannot_hold_names_both_smallest_budgets():
+    sizes = uniform(4, [4096])
+    with pytest.raises(sacpass.OffloadError) as err:
+        place_step(sizes, Budgets(4, 4096, 4096))
+    text = str(err.value)
+    assert "host_bytes=12288 with this gpu_bytes, or gpu_bytes=12288 with this host_bytes" in text, text
+    assert smallest_budgets(sizes, Budgets(4, 4096, 4096)) == (12288, 12288)
+
+
+@settings(max_examples=150, deadline=None)
+@given(regions=st.integers(1, 6), extra=st.integers(0, 2),
+       values=st.lists(st.integers(1, 20000), min_size=1, max_size=4),
+       device=st.integers(0, 100000), host=st.integers(0, 100000))
+def test_budgets_are_met_or_the_named_budgets_hold_the_step(regions, extra, values, device, host):
+    """For any profile: a placement meets both budgets with the device part a suffix of the step (in the order
+    the backward reads it); a step that fits neither is refused, and each pair of budgets the error names
+    places it."""
+    sizes = uniform(regions + extra, values)  # `extra` regions past the plan's count
+    budgets = Budgets(regions, device, host)
+    try:
+        table = place_step(sizes, budgets)
+    except sacpass.OffloadError as e:
+        host_needed, device_needed = smallest_budgets(sizes, budgets)
+        assert f"host_bytes={host_needed} with this gpu_bytes" in str(e)
+        place_step(sizes, Budgets(regions, device, host_needed))
+        if device_needed is None:
+            assert "no gpu_bytes with this host_bytes" in str(e)
+            past = sum(pool_bytes(n) for (r, _), n in sizes.items() if r >= regions)
+            assert past > host
+        else:
+            assert re.search(rf"gpu_bytes={device_needed} with this host_bytes", str(e))
+            place_step(sizes, Budgets(regions, device_needed, host))
+        return
+    kept = on(table, "device")
+    assert sum(sizes[k] for k in kept) <= device
+    assert sum(pool_bytes(sizes[k]) for k in on(table, "host")) <= host
+    assert all(k[0] < regions for k in kept)
+    # the backward reads from the last key back: what the device keeps is taken in that order, skipping only
+    # values that did not fit what was left
+    left = device
+    for k in sorted(sizes, reverse=True):
+        if k[0] < regions and sizes[k] <= left:
+            assert k in kept
+            left -= sizes[k]
+
+
+@pytest.mark.parametrize("device_regions", [0, 1, 2, 3.5])
+def test_the_first_step_places_a_step_of_equal_regions_as_the_steps_after_it(device_regions):
+    """The first step has no table: each value is placed as it comes, the regions still to come estimated as
+    large as the largest before them. For layers that share a graph that is the table the next step uses."""
+    values = [3000, 1500, 700]
+    regions = 5
+    budgets = Budgets(regions, int(device_regions * sum(values)), 1 << 30)
+    arriving, device_used, host_used, region_bytes = {}, 0, 0, {}
+    for r in range(regions):
+        for i, n in enumerate(values):
+            later = later_device_bytes(r, regions, region_bytes, budgets.device_bytes)
+            region_bytes[r] = region_bytes.get(r, 0) + n
+            where = place_arriving((r, i), n, pool_bytes(n), budgets, device_used, host_used, later)
+            arriving[(r, i)] = where
+            device_used += n if where == "device" else 0
+            host_used += pool_bytes(n) if where == "host" else 0
+    table = place_step(uniform(regions, values), budgets)
+    assert {r for r, _ in on(arriving, "device")} == {r for r, _ in on(table, "device")}
+
+
+def test_a_value_neither_budget_holds_in_the_first_step_is_refused_naming_the_count():
+    with pytest.raises(sacpass.OffloadError, match=r"more regions than layers=2 \(pass the real count\)"):
+        place_arriving((2, 0), 4096, 4096, Budgets(2, 0, 4096), device_used=0, host_used=4096, later_device=0)
+
+
+def test_the_device_budget_follows_the_measured_peak():
+    cap = 100
+    assert follow_peak(10, 0, cap, 60, None, everything=1000).device_budget == 50  # raised by the room left
+    assert follow_peak(10, 0, cap, 60, None, everything=30).device_budget == 30  # no more than every value
+    moved = follow_peak(50, 0, cap, 130, 100, everything=1000)
+    assert moved.device_budget == 20 and not moved.at_floor_past_cap  # lowered by the excess
+    assert follow_peak(50, 0, cap, 130, 130, everything=1000).device_budget == 50  # the same old peak
+    at_floor = follow_peak(5, 5, cap, 150, None, everything=1000)
+    assert at_floor.device_budget == 5 and at_floor.at_floor_past_cap  # already at gpu_bytes: the plan warns
