@@ -1,4 +1,4 @@
-"""``python -m sacpass report|diff|show|demo``. The main paths run as subprocesses (two at a time: each one
+"""``python -m sacpass report|diff|show``. The main paths run as subprocesses (two at a time: each one
 imports torch); the error cases run through the same ``main()`` in-process, plus one as a subprocess."""
 import io
 import json
@@ -124,17 +124,13 @@ def test_bad_dumps_exit_2_with_one_line(dumps, tmp_path, capsys, case, message):
         assert len(err.strip().splitlines()) == 1 and err.startswith("sacpass: ") and message in err, err
 
 
-def test_demo_passes_its_arguments_through(monkeypatch, capsys):
-    """``demo`` imports glm52_model.demo lazily and hands it the rest of the command line."""
-    import importlib.util
-
-    if importlib.util.find_spec("glm52_model") is None or importlib.util.find_spec("glm52_model.demo") is None:
-        assert main(["demo"]) == 2
-        assert capsys.readouterr().err.startswith("sacpass: the demo needs glm52_model.demo")
-        return
-    calls = []
-    monkeypatch.setattr("glm52_model.demo.main", lambda argv: calls.append(argv) or 0)
-    assert main(["demo", "--steps", "1", "--help-me"]) == 0 and calls == [["--steps", "1", "--help-me"]]
+def test_demo_moved_to_the_model_package_names_the_new_command(capsys):
+    """The library imports nothing from glm52_model: ``python -m sacpass demo`` (with any arguments) is one line
+    on stderr naming the command that runs the demo now, and exit code 2."""
+    assert main(["demo", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("sacpass: "), err
+    assert "python -m glm52_model.demo [ARGS...]" in err and "same arguments" in err
 
 
 def test_cli_diff_prints_each_graphs_bytes_once(tmp_path):
