@@ -1,10 +1,19 @@
-import os
-import sys
-
+"""Fixtures every test gets, and the one rule for GPU tests: a test in a file whose name ends in ``_cuda.py``
+(wherever it lives under tests/) is marked ``gpu`` and skipped without a CUDA device."""
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+GPU_TEST_FILE_SUFFIX = "_cuda.py"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    no_cuda = pytest.mark.skip(reason="no CUDA device") if not torch.cuda.is_available() else None
+    for item in items:
+        if item.path.name.endswith(GPU_TEST_FILE_SUFFIX):
+            item.add_marker(pytest.mark.gpu)
+            if no_cuda is not None:
+                item.add_marker(no_cuda)
 
 
 @pytest.fixture(autouse=True)

@@ -1,18 +1,14 @@
 """The kernel benchmark's sweeps (benchmarks/bench_kernels.py) name only tunables the op's kernels take, each entry
 times something other than the op's default, and an unknown --op-configs name is refused before any GPU work."""
 import inspect
-import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 
 @pytest.fixture(scope="module")
 def modules():
     pytest.importorskip("tilelang", reason="TileLang not installed (pip install '.[cuda]')")
-    import bench_kernels as bk
+    import bench_kernels as bk  # benchmarks/ (pytest.ini's pythonpath)
     from glm52_model.ops.cuda import dsa_topk_tl as tl
     return bk, tl
 

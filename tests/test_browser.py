@@ -11,8 +11,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from dumps import toy_dump, xss_dump
-from xss_layer import PAYLOAD
+from tests.support.dumps import toy_dump, xss_dump
+from tests.support.xss_layer import PAYLOAD
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dumps import toy_dump
 from sacpass.cli import main
+from tests.support.dumps import toy_dump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

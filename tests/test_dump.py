@@ -3,12 +3,15 @@ import json
 import re
 
 import pytest
+import torch
 
-from dumps import toy_dump, xss_dump
+import sacpass
 from sacpass.dump import read_index, read_view, render_dump
 from sacpass.errors import DumpError
 from sacpass.testing import golden_text
-from xss_layer import PAYLOAD
+from tests.support.dumps import toy_dump, xss_dump
+from tests.support.toy import compile_toy
+from tests.support.xss_layer import PAYLOAD
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +115,13 @@ def test_trace_report_emits_a_structured_artifact(toy):
         trace_log.setLevel(level)
     ours = [r for r in records if getattr(r, "metadata", {}).get("artifact", {}).get("name") == "sacpass_report_g0"]
     assert len(ours) == 1 and '"kind": "sacpass.report"' in ours[0].payload, [r.metadata for r in records]
+
+
+def test_dump_written(tmp_path):
+    be, model = compile_toy(save=["sacpass_toy::topk_ids"], dump_dir=tmp_path / "dump")
+    model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    folder = tmp_path / "dump" / "g0"
+    assert {p.name for p in folder.iterdir()} >= {"joint.txt", "forward.txt", "backward.txt", "report.json"}
+    assert "MUST_SAVE" in (folder / "joint.txt").read_text()
+    back = sacpass.Report.from_json((folder / "report.json").read_text())
+    assert back.to_json() == be.reports[0].to_json()

@@ -28,9 +28,9 @@ from torch._inductor import config as inductor_config
 
 import sacpass
 import sacpass.offload as offload_runtime
-from fuzz_ops import (ABSENT_OPS, COUNTABLE, DISCRETE_OPS, RANDOM_STEPS, S, STEP_VIEWS, STEPS, D, FuzzModel,
-                      PacketCounter, Program, packet)
-from toy import grads_of
+from tests.support.fuzz_ops import (ABSENT_OPS, COUNTABLE, DISCRETE_OPS, RANDOM_STEPS, S, STEP_VIEWS, STEPS, D,
+                                    FuzzModel, PacketCounter, Program, packet)
+from tests.support.toy import grads_of
 
 # ------------------------------------------------------------------------------------------ profiles
 _COMMON = dict(deadline=None, database=None, print_blob=True,

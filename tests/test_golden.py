@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 
-import golden_cases
 import sacpass
-from golden_cases import CASES, GLM_CASES, build, glm_available
 from sacpass.testing import ACCEPT_ENV, assert_graphs_match, expected_path, golden_text, release_path
-from toy import ToyLayer, compile_and_train
+from tests.support import golden_cases
+from tests.support.golden_cases import CASES, GLM_CASES, build, glm_available
+from tests.support.toy import ToyLayer, compile_and_train
 
 pytestmark = pytest.mark.golden
 EXPECTED = os.path.join(os.path.dirname(__file__), "expected_graphs")

@@ -19,7 +19,7 @@ import torch
 import sacpass
 import sacpass.offload as rt
 from sacpass.testing import no_compile_caches
-from toy import CompiledStack
+from tests.support.toy import CompiledStack
 
 LAYERS = 4
 VALUES = 18816  # bytes a toy layer's planned values take (6 values: 5 of 3072 or 6144 bytes, one of 384)

@@ -16,7 +16,7 @@ import torch
 import sacpass
 import sacpass.offload as rt
 from sacpass.testing import no_compile_caches
-from toy import CompiledStack
+from tests.support.toy import CompiledStack
 
 N_LAYERS = 3
 OFFLOAD = {"offload": ["aten::addmm"]}

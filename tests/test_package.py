@@ -19,7 +19,7 @@ def test_policies_star_import():
 
 
 def test_import_and_cli_do_not_import_dynamo_or_inductor(tmp_path):
-    from dumps import toy_dump
+    from tests.support.dumps import toy_dump
 
     directory = tmp_path / "d"
     toy_dump(directory)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import glm52_model.ops  # noqa: F401
-from helpers import assert_similar
+from tests.support.helpers import assert_similar
 from sacpass.testing import OpCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
