@@ -1,6 +1,6 @@
 """Property-based tests of the sacpass pass: generated programs, checkpoint regions and policies.
 
-For every generated case (tests/fuzz_ops.py holds the vocabulary) the compiled model either
+For every generated case (tests/support/fuzz_ops.py holds the vocabulary) the compiled model either
   * matches eager (outputs and gradients), runs no must-save op again during backward (counted at run
     time), saves exactly the bytes its report states (counted at run time with saved-tensor hooks, and
     summed from the backward graph's inputs), and never saves a must-recompute node; or

@@ -1,6 +1,6 @@
 """Golden forward/backward graphs: one file per case in tests/expected_graphs/ (``pytest -m golden``).
 
-The cases (tests/golden_cases.py) compile with ``inner="aot_eager"``: the same sacpass partition as
+The cases (tests/support/golden_cases.py) compile with ``inner="aot_eager"``: the same sacpass partition as
 Inductor, executed eagerly, so the whole file runs in about two minutes on two CPU cores. One file holds on
 every tested torch (2.13 to 2.15); a release that partitions a case differently reads its own
 ``<case>.torch-X.Y.txt`` instead (sacpass.testing). After an intended change:
