@@ -24,6 +24,32 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+# ------------------------------------------------------------------ dumps shared by the dump, CLI, browser tests
+# Each is compiled once per run; a test that changes one works on a copy.
+@pytest.fixture(scope="session")
+def kept_dump(tmp_path_factory):
+    """The toy layer's dump with its top-k kept (``save=``): (folder, backend)."""
+    from tests.support.dumps import toy_dump
+    folder = tmp_path_factory.mktemp("kept_dump")
+    return folder, toy_dump(folder, policy=True)
+
+
+@pytest.fixture(scope="session")
+def plain_dump(tmp_path_factory):
+    """The toy layer's dump under PyTorch's own partition (no policy): (folder, backend)."""
+    from tests.support.dumps import toy_dump
+    folder = tmp_path_factory.mktemp("plain_dump")
+    return folder, toy_dump(folder, policy=False)
+
+
+@pytest.fixture(scope="session")
+def xss_dump(tmp_path_factory):
+    """The dump of a layer whose must-save op's source line holds a script tag: (folder, backend)."""
+    from tests.support.dumps import xss_dump
+    folder = tmp_path_factory.mktemp("xss_dump")
+    return folder, xss_dump(folder)
+
+
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """A private, empty Inductor/AOTAutograd cache dir with both caches on."""

@@ -107,7 +107,10 @@ def _checkpoint_forms():
         "checkpoint_wrapper": lambda compiled: checkpoint_wrapper(compiled),
     }
 
-@pytest.mark.parametrize("form", ["function", "function_reentrant", "checkpoint_wrapper"])
+# the quick run checks the reentrant form (found from its frames); torch's non-reentrant function is
+# test_checkpoint_outside_compile_warns's case, and checkpoint_wrapper runs it (found from its hooks)
+@pytest.mark.parametrize("form", [pytest.param("function", marks=pytest.mark.slow), "function_reentrant",
+                                  pytest.param("checkpoint_wrapper", marks=pytest.mark.slow)])
 def test_every_eager_checkpoint_form_around_a_compile_warns(form):
     """checkpoint(compile(f)) is found from torch's checkpoint itself (its saved-tensor hooks, or its frames for
     the reentrant form), whatever calls it: torch's function, torch.distributed's checkpoint_wrapper. Compiling

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sacpass.cli import main
-from tests.support.dumps import toy_dump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,12 +26,8 @@ def _corrupt(report_json):
 
 
 @pytest.fixture(scope="module")
-def dumps(tmp_path_factory):
-    base = tmp_path_factory.mktemp("cli")
-    kept, plain = base / "kept", base / "plain"
-    toy_dump(kept, policy=True)
-    toy_dump(plain, policy=False)
-    return base, kept, plain
+def dumps(tmp_path_factory, kept_dump, plain_dump):
+    return tmp_path_factory.mktemp("cli"), kept_dump[0], plain_dump[0]
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +128,8 @@ def test_demo_moved_to_the_model_package_names_the_new_command(capsys):
     assert "python -m glm52_model.demo [ARGS...]" in err and "same arguments" in err
 
 
-def test_cli_diff_prints_each_graphs_bytes_once(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    toy_dump(a, policy=False)
-    toy_dump(b, policy=True)
+def test_cli_diff_prints_each_graphs_bytes_once(dumps):
+    _, b, a = dumps
     buf = io.StringIO()
     assert main(["diff", str(a), str(b)], out=buf) == 1
     assert buf.getvalue().count("g0: saved bytes") == 1, buf.getvalue()

@@ -15,7 +15,6 @@ import torch
 
 import sacpass
 from sacpass.testing import ACCEPT_ENV, assert_graphs_match, expected_path, golden_text, release_path
-from tests.support import golden_cases
 from tests.support.golden_cases import CASES, GLM_CASES, build, glm_available
 from tests.support.toy import ToyLayer, compile_and_train
 
@@ -42,7 +41,7 @@ def test_golden_graphs(name):
 def test_changed_policy_fails_the_golden(monkeypatch):
     """Compiling the toy without its must-save policy puts the top-k back into the backward: the golden fails."""
     monkeypatch.delenv(ACCEPT_ENV, raising=False)
-    be = golden_cases._toy(golden_cases._aot())  # a fresh compile, no policy
+    be = build("toy_baseline")  # the same toy compiled without the policy
     with pytest.raises(AssertionError) as info:
         assert_graphs_match("toy_sacpass", be, directory=EXPECTED)
     diff = str(info.value)
