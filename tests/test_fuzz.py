@@ -321,11 +321,20 @@ def _inductor_cases(max_steps):
     return cases(steps=INDUCTOR_STEPS, ops_filter=INDUCTOR_OPS, max_steps=max_steps, mistakes=("none",))
 
 
+# both custom top-k ops saved and aten.topk recomputed, in nested regions: the quick run's Inductor case
+INDUCTOR_EXAMPLE = Case(P(("nograd_ids", "pair", "topk"), ((0, 3), (1, 2))),
+                        save=("sacpass_toy::topk_ids", "sacpass_toy::topk_pair"), recompute=("aten::topk",))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fuzz_inductor_example():
+    check_case(INDUCTOR_EXAMPLE, "inductor")
+
+
+@pytest.mark.slow  # a C++ compile per generated case (the example above runs in the quick run)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @fuzz_settings("inductor")
 @given(case=_inductor_cases(3))
-@example(case=Case(P(("nograd_ids", "pair", "topk"), ((0, 3), (1, 2))),
-                   save=("sacpass_toy::topk_ids", "sacpass_toy::topk_pair"), recompute=("aten::topk",)))
 def test_fuzz_inductor(case):
     check_case(case, "inductor")
 
