@@ -1,5 +1,7 @@
-"""``python -m sacpass report|diff|show``. The main paths run as subprocesses (two at a time: each one
-imports torch); the error cases run through the same ``main()`` in-process, plus one as a subprocess."""
+"""``python -m sacpass report|diff|show``. ``report`` and one corrupted dump run as subprocesses, side by side
+(each one imports torch), through the real entry point; ``diff``, ``show`` and the other error cases run through
+the same ``main()`` in-process."""
+import contextlib
 import io
 import json
 import os
@@ -21,6 +23,13 @@ def _sacpass(*args):
                           env=env, timeout=300, cwd=ROOT)
 
 
+def _in_process(*args) -> subprocess.CompletedProcess:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args], out=out)
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
 def _corrupt(report_json):
     report_json.write_text('{"kind": "sacpass.report", "saved": [')
 
@@ -32,7 +41,7 @@ def dumps(tmp_path_factory, kept_dump, plain_dump):
 
 @pytest.fixture(scope="module")
 def runs(dumps):
-    """Every subprocess invocation the tests look at, run two at a time."""
+    """Every command the tests look at: the two subprocesses side by side, then the rest in-process."""
     base, kept, plain = dumps
     shown = base / "shown"
     shutil.copytree(kept, shown)
@@ -40,10 +49,10 @@ def runs(dumps):
     corrupted = base / "corrupted"
     shutil.copytree(kept, corrupted)
     _corrupt(corrupted / "g0" / "report.json")
-    calls = {"report": ("report", kept), "diff": ("diff", kept, plain), "show": ("show", shown),
-             "corrupted": ("report", corrupted)}
+    calls = {"report": ("report", kept), "corrupted": ("report", corrupted)}
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(calls, pool.map(lambda a: _sacpass(*a), calls.values())))
+    results.update(diff=_in_process("diff", kept, plain), show=_in_process("show", shown))
     return {"shown": shown, **results}
 
 
