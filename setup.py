@@ -25,7 +25,7 @@ setup(
         "test": [
             "pytest>=8",
             "hypothesis>=6",  # property-based tests of the pass (tests/test_fuzz.py)
-            "expecttest==0.3.0",  # golden graph files (tests/expected_graphs; EXPECTTEST_ACCEPT=1 rewrites)
+            "expecttest==0.3.0",  # golden graphs, inline (assertExpectedInline) and in files (sacpass.testing)
             "transformers==5.24.0",  # the checks on its GLM-5 DSA model (tests/test_discrete.py)
             "matplotlib>=3.8",  # the results page's plots, drawn and checked by tests/test_results_page.py
         ],

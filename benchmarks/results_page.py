@@ -98,7 +98,8 @@ def table(header: list[str], rows: list[list]) -> list[str]:
     return out + [""]
 
 
-def kb(S) -> str:
+def tokens_k(S) -> str:
+    """A token count in thousands as the tables write it: 65536 -> "64K"."""
     return f"{int(S) // 1024}K"
 
 
@@ -119,10 +120,10 @@ def r_topk_op(e, plots):
     out = ["The op, bf16 and FP8, ms:", ""]
     rows = []
     for t in e["data"]["topk"]:
-        rows.append([kb(t["S"]), f(t.get("tilelang_ms")), f(t.get("fp8_ms")), f(t.get("fp8_speedup"), ".3f"),
+        rows.append([tokens_k(t["S"]), f(t.get("tilelang_ms")), f(t.get("fp8_ms")), f(t.get("fp8_speedup"), ".3f"),
                      f"{f(t.get('fp8_id_overlap_mean'), '.3f')} / {f(t.get('fp8_id_overlap_min'), '.3f')}"])
     out += table(["S", "bf16 op", "FP8 op", "FP8 speedup", "FP8 vs bf16 ID overlap (mean / worst row)"], rows)
-    kernels = [[kb(t["S"])] + [f(_kernel_ms(t, k)) for k in ("indexer_logits_kernel", "topk_select_kernel")]
+    kernels = [[tokens_k(t["S"])] + [f(_kernel_ms(t, k)) for k in ("indexer_logits_kernel", "topk_select_kernel")]
                for t in e["data"]["topk"] if t.get("fp8_kernels")]
     if kernels:
         out += ["The FP8 op's kernels (CUDA profiler), ms:", ""]
@@ -135,7 +136,7 @@ def r_topk_op(e, plots):
     for t in e["data"]["topk"]:
         for v, ms in t.get("fp8_variants_ms", {}).items():
             k = t.get("fp8_variants_kernels_ms", {}).get(v, {})
-            rows.append([kb(t["S"]), label(v), f(ms), f(t.get("fp8_variants_back_to_back_ms", {}).get(v)),
+            rows.append([tokens_k(t["S"]), label(v), f(ms), f(t.get("fp8_variants_back_to_back_ms", {}).get(v)),
                          f"{f(k.get('indexer_logits_kernel'))} + {f(k.get('topk_select_kernel'))}",
                          f(t.get("fp8_variants_peak_gib", {}).get(v)),
                          f(t.get("fp8_variants_same_ids_rows", {}).get(v), ".5f")])
@@ -154,7 +155,7 @@ def r_logits_sweep(e, plots):
     rows = []
     for s in e["data"]["logits_sweep"]:
         opts = ", ".join(f"{k}={s[k]}" for k in ("epilogue", "min_blocks", "block_N", "num_stages") if k in s)
-        rows.append([kb(s["S"]), f"`{s['config']}`", opts or "-", s.get("dtype"), f(s.get("ms")),
+        rows.append([tokens_k(s["S"]), f"`{s['config']}`", opts or "-", s.get("dtype"), f(s.get("ms")),
                      f(s.get("tflops"), ".0f"), f(s.get("max_rel_diff"), ".1e")])
     return table(["S", "config", "options", "dtype", "ms", "TFLOP/s", "max rel. diff"], rows)
 
@@ -162,7 +163,7 @@ def r_logits_sweep(e, plots):
 def r_select_sweep(e, plots):
     rows = []
     for s in e["data"]["logits_sweep"]:
-        rows.append([kb(s["S"]), f"`{s['config']}`", f(s.get("direct_rank")), f(s.get("candidates"), "d"),
+        rows.append([tokens_k(s["S"]), f"`{s['config']}`", f(s.get("direct_rank")), f(s.get("candidates"), "d"),
                      f(s.get("threads"), "d"), f(s.get("ms")), f(s.get("same_set_rows"), ".4f")])
     return table(["S", "config", "direct_rank", "candidates", "threads", "ms", "rows with the default's set"], rows)
 
@@ -170,8 +171,9 @@ def r_select_sweep(e, plots):
 def r_topk_host(e, plots):
     rows = []
     for h in e["data"]["host"]:
-        rows.append([kb(h["S"]), " / ".join(f(x) for x in h["returns_ms"]), " / ".join(f(x) for x in h["done_ms"]),
-                     f(h.get("logits_launch_ms"), ".3f"), f(h.get("select_launch_ms"), ".3f")])
+        rows.append([tokens_k(h["S"]), " / ".join(f(x) for x in h["returns_ms"]),
+                     " / ".join(f(x) for x in h["done_ms"]), f(h.get("logits_launch_ms"), ".3f"),
+                     f(h.get("select_launch_ms"), ".3f")])
     return table(["S", "host returns after, ms (per call)", "GPU done after, ms", "logits launch, host ms",
                   "select launch, host ms"], rows)
 
@@ -184,7 +186,7 @@ def _kv(row: dict, skip=()) -> list[list]:
 def r_sparse_mla(e, plots):
     out = []
     for row in e["data"]["sparse_mla"]:
-        out += [f"S={kb(row['S'])}, {row['heads']} heads, top-k {row['topk']} (ms, TFLOP/s, TB/s):", ""]
+        out += [f"S={tokens_k(row['S'])}, {row['heads']} heads, top-k {row['topk']} (ms, TFLOP/s, TB/s):", ""]
         out += table(["field", "value"], _kv(row, skip=("S", "heads", "topk")))
     return out
 
@@ -192,7 +194,7 @@ def r_sparse_mla(e, plots):
 def r_experts(e, plots):
     out = []
     for row in e["data"]["experts"]:
-        out += [f"{row['rows']} rows ({kb(row['S'])} tokens x top-8) over {row['experts']} experts, "
+        out += [f"{row['rows']} rows ({tokens_k(row['S'])} tokens x top-8) over {row['experts']} experts, "
                 f"{row['hidden']} -> {row['width']}:", ""]
         bf, fp = row["bf16_fwd_ms"] + row["bf16_bwd_ms"], row["fp8_fwd_ms"] + row["fp8_bwd_ms"]
         out += table(["", "forward ms", "backward ms", "forward TFLOP/s", "backward TFLOP/s"],
@@ -227,26 +229,26 @@ def r_layer(e, plots):
         tk = entry.get("topk", {}).get("topk_fwd_ms")
         for v, m in vs.items():
             if "step_ms_median" not in m:
-                rows.append([kb(S), f"`{v}`", m.get("status", "-"), "", "", "", ""])
+                rows.append([tokens_k(S), f"`{v}`", m.get("status", "-"), "", "", "", ""])
                 continue
             ratio = f(m["step_ms_median"] / ctrl, ".3f") if ctrl else "-"
-            rows.append([kb(S), f"`{v}`", f(m["step_ms_median"], ".1f"), ratio, f(m.get("peak_allocated_gib")),
+            rows.append([tokens_k(S), f"`{v}`", f(m["step_ms_median"], ".1f"), ratio, f(m.get("peak_allocated_gib")),
                          m.get("topk_bwd_runs_per_step", "-"), f(m.get("loss"), ".5f")])
         if ctrl and tk is not None:
-            rows.append([kb(S), "limit (control - top-k fwd) / control", "", f((ctrl - tk) / ctrl, ".3f"), "",
+            rows.append([tokens_k(S), "limit (control - top-k fwd) / control", "", f((ctrl - tk) / ctrl, ".3f"), "",
                          "", ""])
     out += table(["S", "variant", "step ms", "/ control", "peak GiB", "bwd top-k runs", "loss"], rows)
-    tks = [[kb(S), f(en["topk"].get("topk_fwd_ms")), f(en["topk"].get("saved_ids_bytes", 0) / 2 ** 20, ".0f")]
+    tks = [[tokens_k(S), f(en["topk"].get("topk_fwd_ms")), f(en["topk"].get("saved_ids_bytes", 0) / 2 ** 20, ".0f")]
            for S, en in sorted(d["seq"].items(), key=lambda kv: int(kv[0])) if en.get("topk")]
     if tks:
         out += ["One top-k forward, ms, and the IDs it saves, MiB:", ""] + table(["S", "top-k fwd", "IDs MiB"], tks)
-    comp = [[f"`{v}`", kb(c.get("at_S", 0)), "cold" if c.get("cold_caches") else "shared", f(c.get("compile_s"), ".1f"),
-             c.get("graph_breaks"), c.get("unique_graphs"), f(c.get("fullgraph"))]
+    comp = [[f"`{v}`", tokens_k(c.get("at_S", 0)), "cold" if c.get("cold_caches") else "shared",
+             f(c.get("compile_s"), ".1f"), c.get("graph_breaks"), c.get("unique_graphs"), f(c.get("fullgraph"))]
             for rows_ in (d.get("compile", {}), d.get("compile_merged_runs", {})) for v, c in rows_.items()]
     if comp:
         out += ["Compile (first step minus a steady step, s):", ""]
         out += table(["variant", "at S", "caches", "compile s", "graph breaks", "graphs", "fullgraph"], comp)
-    mtp = [[kb(S), f"`{v}`", f(m.get("step_ms_median"), ".1f"), f(m.get("peak_allocated_gib")),
+    mtp = [[tokens_k(S), f"`{v}`", f(m.get("step_ms_median"), ".1f"), f(m.get("peak_allocated_gib")),
             m.get("topk_bwd_runs_per_step", "-")]
            for S, en in sorted(d.get("mtp", {}).items(), key=lambda kv: int(kv[0])) for v, m in en.items()]
     if mtp:
@@ -263,7 +265,7 @@ def r_layer(e, plots):
 
 def r_layer_profile(e, plots):
     d = e["data"]
-    out = [f"`{d['variant']}` at S={kb(d['S'])}: {f(d['step_ms_profiled'], '.1f')} ms profiled, "
+    out = [f"`{d['variant']}` at S={tokens_k(d['S'])}: {f(d['step_ms_profiled'], '.1f')} ms profiled, "
            f"{f(d['kernel_ms_total'], '.1f')} ms of kernels.", ""]
     tot = d["kernel_ms_total"]
     out += table(["group", "ms", "share"], [[g, f(ms, ".1f"), f(100 * ms / tot, ".0f") + "%"]
@@ -278,7 +280,7 @@ def r_layer_profile(e, plots):
 def r_model(e, plots):
     d = e["data"]
     a = d.get("args", {})
-    out = [f"{a.get('layers')} layers, S={kb(a.get('seq', 0))}, {a.get('steps')} timed steps after "
+    out = [f"{a.get('layers')} layers, S={tokens_k(a.get('seq', 0))}, {a.get('steps')} timed steps after "
            f"{a.get('warmup')} warm-up; median step in s.", ""]
     vs = d["variants"]
     ctrl = vs.get("control", {}).get("step_ms_median")
@@ -466,7 +468,7 @@ def plot_topk(d: dict, path: str) -> None:
         ax.bar(xs, select, bottom=logits, label="select kernel")
         ax.scatter(xs, call, color="k", zorder=3, label="synchronised call")
         ax.set_xticks(list(xs), list(vs), fontsize=8)
-        ax.set_title(f"FP8 op, S={kb(t['S'])}", fontsize=9)
+        ax.set_title(f"FP8 op, S={tokens_k(t['S'])}", fontsize=9)
         ax.set_ylabel("ms")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="lower center")
@@ -503,7 +505,7 @@ def model_against_control(entries: list[dict], plots: list) -> list[str]:
            "to the host as float8 with per-128 scales (lossy). The plot leaves out the rows run under another "
            "allocator configuration.", ""]
     for (layers, seq), rows in groups.items():
-        out += [f"{layers} layers, S={kb(seq)}:", ""]
+        out += [f"{layers} layers, S={tokens_k(seq)}:", ""]
         out += table(["variant", "file", "step / control", "allocated / control", "reserved / control", "values",
                       "allocator", "loss - control's"],
                      [[f"`{r['variant']}`", f"`{r['file']}`",

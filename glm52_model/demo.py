@@ -1,4 +1,4 @@
-"""``python -m sacpass demo``: the tiny GLM-5.2 model (FP8 and MTP on) trained a few steps, compiled with
+"""``python -m glm52_model.demo``: the tiny GLM-5.2 model (FP8 and MTP on) trained a few steps, compiled with
 plain min-cut (control) and with sacpass, side by side in one process.
 
 Both runs compile every decoder layer as compile(checkpoint(layer)) with ``fullgraph=True`` through the same
@@ -87,7 +87,7 @@ def print_saved(reports: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sacpass demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m glm52_model.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq", type=int, default=128, help="tokens per step (one sequence)")
     # aot_eager: the same sacpass partition as Inductor, without Inductor's C++ code generation, which

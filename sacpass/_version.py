@@ -41,8 +41,8 @@ def check_torch_version(version: str | None = None, warn_untested: bool = True) 
 
 def cli_process() -> bool:
     """Whether ``import sacpass`` runs for sacpass's command line (``python -m sacpass``, the ``sacpass``
-    script). Its commands read dumps (JSON), and an error is one line on stderr: the newer-than-tested warning
-    at import would be a second; ``demo``, the one that partitions, checks the version when it starts."""
+    script). Its commands only read dumps (JSON), and an error is one line on stderr: the newer-than-tested
+    warning at import would be a second."""
     argv = list(getattr(sys, "orig_argv", ()))
     if sys.argv[:1] == ["-m"]:  # `python -m PKG` imports PKG before setting argv[0]: PKG is the -m target
         for i, arg in enumerate(argv[1:], start=1):

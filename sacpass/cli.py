@@ -1,12 +1,11 @@
-"""``python -m sacpass``: read graph dumps (JSON only), compare two, open the partition page, run the demo.
+"""``python -m sacpass``: read graph dumps (JSON only), compare two, open the partition page.
 
     python -m sacpass report DIR          saved-set table and totals of every graph in a dump
     python -m sacpass diff DIR_A DIR_B    what moved between forward and backward; exit 1 if anything did
     python -m sacpass show DIR [--open]   (re)write DIR/index.html from the dump's JSON and print its path
-    python -m sacpass demo [ARGS...]      glm52_model.demo.main(ARGS)
 
 A missing directory, a corrupted or foreign JSON file, or a dump from a newer sacpass is one line on stderr
-and exit code 2.
+and exit code 2. The GLM-5.2 demo is the model package's own command (``python -m sacpass demo`` says which).
 """
 from __future__ import annotations
 
@@ -16,12 +15,11 @@ import sys
 from collections import Counter
 from typing import IO, Sequence
 
-from ._version import check_torch_version
 from .dump import read_index, read_report, render_dump
 from .errors import DumpError
 from .report import Report, format_report
 
-__all__ = ["main", "format_diff", "diff_dumps", "run_demo"]
+__all__ = ["main", "format_diff", "diff_dumps"]
 
 EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
@@ -116,16 +114,8 @@ def cmd_show(args, out: IO[str]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- demo
-def run_demo(argv: Sequence[str]) -> int:
-    """``glm52_model.demo.main(argv)``, imported only now (the demo needs the model package)."""
-    check_torch_version()  # the demo partitions: the warning on an untested torch that the import left out
-    try:
-        from glm52_model.demo import main as demo_main
-    except ImportError as e:
-        print(f"sacpass: the demo needs glm52_model.demo ({e}); run from the sacpass repository root or "
-              f"install glm52_model.", file=sys.stderr)
-        return EXIT_ERROR
-    return int(demo_main(list(argv)) or 0)
+DEMO_MOVED = ("sacpass: the demo is the model package's command now: run `python -m glm52_model.demo [ARGS...]` "
+              "(same arguments) from the sacpass repository root or with glm52_model installed.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,8 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--open", action="store_true", help="also open it in a web browser")
     p.set_defaults(func=cmd_show)
-    # listed for --help; main() hands everything after "demo" to the demo's own parser untouched
-    sub.add_parser("demo", help="run the GLM-5.2 demo (glm52_model.demo); arguments pass through")
     return parser
 
 
@@ -155,8 +143,9 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        return run_demo(argv[1:])
+    if argv[:1] == ["demo"]:  # moved: say where to, whatever arguments follow
+        print(DEMO_MOVED, file=sys.stderr)
+        return EXIT_ERROR
     args = build_parser().parse_args(argv)
     out = out or sys.stdout
     try:

@@ -158,7 +158,7 @@ def _keep(spec: ContextSpec, op, entry_value, reason: str) -> None:
                                    tuple(t.shape), t.numel() * t.element_size(), reason))
 
 
-def _narrow(idx: torch.Tensor, limit: int) -> torch.Tensor:
+def _index_as_int32(idx: torch.Tensor, limit: int) -> torch.Tensor:
     """An int64 index over fewer than 2**31 positions, kept as int32 (as the compiled pass keeps it)."""
     return idx.to(torch.int32) if idx.dtype == torch.int64 and limit <= INT32_LIMIT else idx
 
@@ -195,9 +195,11 @@ class _ForwardMode(_PolicyMode):
             action, reason = chosen
             kind = VALUE_INDEX_OPS.get(func._schema.name)
             if action == "discrete" and kind is not None and isinstance(out, tuple):
-                entry = _Entry("discrete", _narrow(out[1].detach(), selection_extent(func, args, kwargs)), out[1].dtype)
+                extent = selection_extent(func, args, kwargs)
+                entry = _Entry("discrete", _index_as_int32(out[1].detach(), extent), out[1].dtype)
             elif action == "discrete" and isinstance(out, torch.Tensor):
-                entry = _Entry("discrete", _narrow(out.detach(), selection_extent(func, args, kwargs)), out.dtype)
+                extent = selection_extent(func, args, kwargs)
+                entry = _Entry("discrete", _index_as_int32(out.detach(), extent), out.dtype)
             elif action == "discrete":  # several outputs, values among them: keep them all
                 entry = _Entry("save", tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
             elif action == "offload":

@@ -7,7 +7,7 @@ node names and op spellings differ between torch releases):
 - nodes are named by :class:`CanonicalNames`: a call's name is its op's, counted in graph order (``mm``,
   ``mm_1``), graph inputs keep AOTAutograd's positional names, and the backward's saved inputs their
   forward names (torch's own names carry process-wide counters: ``mul_88`` on one release, ``mul_10`` on the next);
-- ops are spelled ``aten.mm.default`` (:func:`op_name`), values ``f32[24, 32]``, without strides;
+- ops are spelled ``aten.mm.default`` (:func:`target_text`), values ``f32[24, 32]``, without strides;
 - devices (``device('DEVICE')``) and addresses are abstracted, and deletion notes (``x = None``) dropped;
 - size symbols are renamed by first appearance (``s77`` -> ``s0``, ``u12`` -> ``u0``);
 - every node the partition tagged MUST_SAVE / MUST_RECOMPUTE is marked, with region ids renumbered from 0.
@@ -28,7 +28,7 @@ from .nodes import tag_name
 from .report import Report, saved_table as _saved_rows
 
 __all__ = ["readable", "normalized_graph", "saved_table", "graph_text", "report_text", "stable_symbols", "SymbolRenamer",
-           "CanonicalNames", "op_name", "normalized_graphs",
+           "CanonicalNames", "target_text", "normalized_graphs",
            "module_of_source"]
 
 _DEVICE = re.compile(r"device\(type='[A-Za-z0-9_]+'(?:, index=\d+)?\)")
@@ -95,7 +95,7 @@ _POSITIONAL = re.compile(r"^(primals|tangents|arg\d+|args|bwd_seed|bwd_base_offs
 _TRAILING_COUNT = re.compile(r"(_\d+)+$")
 
 
-def op_name(target) -> str:
+def target_text(target) -> str:
     """``aten.mm.default`` / ``glm52.fp8_quantize.default`` for an OpOverload, ``higher_order.<name>`` for a
     higher-order op, ``operator.getitem`` for a Python function: one spelling on every torch."""
     if isinstance(target, torch._ops.OpOverload):
@@ -115,7 +115,7 @@ def _base_name(node: torch.fx.Node) -> str:
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
             return target._opname.lstrip("_") or "op"
-        return op_name(target).rsplit(".", 1)[-1].lstrip("_") or "op"
+        return target_text(target).rsplit(".", 1)[-1].lstrip("_") or "op"
     return _TRAILING_COUNT.sub("", node.name) or node.op
 
 
@@ -154,14 +154,14 @@ def _arg(a, names: dict) -> str:
     if isinstance(a, float):
         return repr(a)
     if isinstance(a, torch.fx.GraphModule) or callable(a) and not isinstance(a, type):
-        return op_name(a)
+        return target_text(a)
     return repr(a)
 
 
 def normalized_graph(gm: torch.fx.GraphModule, region_ids: dict[Any, int] | None = None,
                      names: CanonicalNames | None = None) -> str:
     """One graph as text that only a change of the graph itself changes: one line per node, named by
-    :class:`CanonicalNames`, ops spelled by :func:`op_name`, values as ``dtype[shape]``, devices and addresses
+    :class:`CanonicalNames`, ops spelled by :func:`target_text`, values as ``dtype[shape]``, devices and addresses
     abstracted, no deletion notes; MUST_SAVE / MUST_RECOMPUTE / MUST_CPU_OFFLOAD nodes marked
     ``# MUST_SAVE (region N)``. ``region_ids`` maps raw ``ac_graph_id``s to renumbered ones, filled in
     first-appearance order (share it, and ``names``, across a forward and its backward)."""
@@ -182,7 +182,7 @@ def normalized_graph(gm: torch.fx.GraphModule, region_ids: dict[Any, int] | None
             lines.append(f"{head} = self.{node.target}")
             continue
         args = [_arg(a, canon) for a in node.args] + [f"{k}={_arg(v, canon)}" for k, v in node.kwargs.items()]
-        line = f"{head} = {op_name(node.target)}({', '.join(args)})"
+        line = f"{head} = {target_text(node.target)}({', '.join(args)})"
         tag = _tag_of(node)
         if tag is not None:
             raw = node.meta.get("ac_graph_id")

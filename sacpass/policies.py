@@ -23,7 +23,7 @@ __all__ = ["Policy", "register_must_save", "registered_must_save", "clear_regist
 EXPLICIT_ACTIONS = ("recompute", "offload", "save")  # strongest first
 
 _REGISTRY: list[Selector] = []
-_GRAPHS_UNDER_REGISTRY = [0]  # graphs compiled with the registry read as it is now
+_graphs_since_registry_change = 0  # graphs compiled with use_registered=True since _REGISTRY last changed
 
 
 def register_must_save(selector: SelectorLike) -> Selector:
@@ -31,10 +31,11 @@ def register_must_save(selector: SelectorLike) -> Selector:
 
     Backends read the registry at each compile. Graphs compiled before a registration keep the policy they
     were compiled under (Dynamo reuses them without asking the backend), so this warns when it comes late."""
+    global _graphs_since_registry_change
     sel = as_selector(selector)
     if sel not in _REGISTRY:
         _REGISTRY.append(sel)
-        stale, _GRAPHS_UNDER_REGISTRY[0] = _GRAPHS_UNDER_REGISTRY[0], 0
+        stale, _graphs_since_registry_change = _graphs_since_registry_change, 0
         if stale:
             warn(f"sacpass: register_must_save({sel}) ran after {stale} graph(s) were compiled with "
                  f"use_registered=True under the registry without it; those graphs keep their old policy until "
@@ -45,7 +46,8 @@ def register_must_save(selector: SelectorLike) -> Selector:
 
 def note_registry_used() -> None:
     """A backend compiled a graph under the registry as it is now (see register_must_save's warning)."""
-    _GRAPHS_UNDER_REGISTRY[0] += 1
+    global _graphs_since_registry_change
+    _graphs_since_registry_change += 1
 
 
 def registered_must_save() -> tuple[Selector, ...]:
@@ -54,8 +56,9 @@ def registered_must_save() -> tuple[Selector, ...]:
 
 def clear_registry() -> None:
     """Forget every registered must-save selector (tests)."""
+    global _graphs_since_registry_change
     _REGISTRY.clear()
-    _GRAPHS_UNDER_REGISTRY[0] = 0
+    _graphs_since_registry_change = 0
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,16 @@
     torch.compile(layer, backend=be, fullgraph=True)(x).sum().backward()
     sacpass.testing.assert_graphs_match("my_layer", be)
 
-File-based, in the spirit of ``expecttest``: the expected text lives in ``expected_graphs/<name>.txt`` next to
-the calling test file (or in ``directory=``). ``EXPECTTEST_ACCEPT=1 pytest ...`` writes or rewrites it; a
-mismatch fails with a unified diff and the one command that rewrites the file.
+File-based, through ``expecttest``: the expected text lives in ``expected_graphs/<name>.txt`` next to the
+calling test file (or in ``directory=``). ``EXPECTTEST_ACCEPT=1 pytest ...`` (expecttest's switch, read the way
+its ``assertExpectedInline`` reads it) writes or rewrites it; a mismatch fails through ``expecttest.assert_eq``
+with its unified diff, then the one command that rewrites the file.
+
+Small partitions can be pinned inline instead, as PyTorch's own tests pin graphs::
+
+    class MyLayerTest(expecttest.TestCase):
+        def test_partition(self):
+            self.assertExpectedInline(sacpass.testing.golden_text(be.results[0]), '''...''')
 
 One golden holds on every torch release: the text (:mod:`sacpass.graphs`) has no torch-made node names,
 printing or op spellings, so it changes only when the partition does. Where a release really partitions
@@ -24,7 +31,6 @@ differently (it decomposes an op another way, say), that release gets its own fi
 from __future__ import annotations
 
 import contextlib
-import difflib
 import os
 import re
 
@@ -139,6 +145,22 @@ def _read(path: str) -> tuple[str, str]:
     return version, body
 
 
+def _expecttest():
+    """expecttest, which decides acceptance and reports mismatches for file and inline goldens alike."""
+    try:
+        import expecttest
+    except ImportError as e:
+        raise ImportError("sacpass.testing: golden graph tests need expecttest; pip install expecttest (it comes "
+                          "with sacpass's test extra: pip install 'sacpass[test]').") from e
+    return expecttest
+
+
+def _accepting() -> bool:
+    """Whether this run writes goldens instead of comparing: ``EXPECTTEST_ACCEPT`` set to anything non-empty,
+    read at each call, as expecttest's ``assertExpectedInline`` reads it."""
+    return bool(os.getenv(ACCEPT_ENV))
+
+
 def accept_command() -> str:
     """The command that rewrites the goldens of the running test: ``EXPECTTEST_ACCEPT=1 python -m pytest
     '<its node id>'`` under pytest, else a generic one."""
@@ -174,9 +196,10 @@ def assert_graphs_match(name: str, obj, *, directory: str | os.PathLike | None =
     unified diff and the command that writes it. Graphs served by a compile cache are refused
     (:class:`GoldenFromCacheError`), in both modes: compile under :func:`no_compile_caches`."""
     __tracebackhide__ = True  # pytest shows the caller's line and the diff, not this helper's source
+    expecttest = _expecttest()
     path = expected_path(name, directory)
     actual = golden_text(obj)
-    if os.environ.get(ACCEPT_ENV, "") not in ("", "0"):
+    if _accepting():
         _accept(name, path, actual)
         return
     mine = release_path(path)
@@ -187,9 +210,6 @@ def assert_graphs_match(name: str, obj, *, directory: str | os.PathLike | None =
     version, expected = _read(chosen)
     if expected == actual:
         return
-    diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
-                                        fromfile=f"{chosen} (expected, torch {version})",
-                                        tofile=f"{name} (actual, torch {torch.__version__})"))
     if chosen == path and release(version) != release():
         how = (f"It was made with torch {version}; this is torch {torch.__version__}. If this release partitions "
                f"differently by design, `{accept_command()}` writes {os.path.basename(mine)} for torch "
@@ -197,7 +217,9 @@ def assert_graphs_match(name: str, obj, *, directory: str | os.PathLike | None =
                f"release, rewrite {os.path.basename(path)} on torch {release(version)}.")
     else:
         how = f"If the change is intended, rewrite it with `{accept_command()}` and review the new file."
-    raise AssertionError(f"sacpass: compiled graphs differ from golden {chosen}. {how}\n{diff}")
+    expecttest.assert_eq(expected, actual, msg=f"sacpass: compiled graphs differ from golden {chosen}. {how} "
+                                               f"(expected: written with torch {version}; actual: torch "
+                                               f"{torch.__version__})")
 
 
 class OpCounter:

@@ -1,10 +1,19 @@
-import os
-import sys
-
+"""Fixtures every test gets, and the one rule for GPU tests: a test in a file whose name ends in ``_cuda.py``
+(wherever it lives under tests/) is marked ``gpu`` and skipped without a CUDA device."""
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+GPU_TEST_FILE_SUFFIX = "_cuda.py"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    no_cuda = pytest.mark.skip(reason="no CUDA device") if not torch.cuda.is_available() else None
+    for item in items:
+        if item.path.name.endswith(GPU_TEST_FILE_SUFFIX):
+            item.add_marker(pytest.mark.gpu)
+            if no_cuda is not None:
+                item.add_marker(no_cuda)
 
 
 @pytest.fixture(autouse=True)
@@ -13,6 +22,32 @@ def _fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ dumps shared by the dump, CLI, browser tests
+# Each is compiled once per run; a test that changes one works on a copy.
+@pytest.fixture(scope="session")
+def kept_dump(tmp_path_factory):
+    """The toy layer's dump with its top-k kept (``save=``): (folder, backend)."""
+    from tests.support.dumps import toy_dump
+    folder = tmp_path_factory.mktemp("kept_dump")
+    return folder, toy_dump(folder, policy=True)
+
+
+@pytest.fixture(scope="session")
+def plain_dump(tmp_path_factory):
+    """The toy layer's dump under PyTorch's own partition (no policy): (folder, backend)."""
+    from tests.support.dumps import toy_dump
+    folder = tmp_path_factory.mktemp("plain_dump")
+    return folder, toy_dump(folder, policy=False)
+
+
+@pytest.fixture(scope="session")
+def xss_dump(tmp_path_factory):
+    """The dump of a layer whose must-save op's source line holds a script tag: (folder, backend)."""
+    from tests.support.dumps import xss_dump
+    folder = tmp_path_factory.mktemp("xss_dump")
+    return folder, xss_dump(folder)
 
 
 @pytest.fixture

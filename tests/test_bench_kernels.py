@@ -2,12 +2,8 @@
 fields of the config it overrides, times something other than the op's default, and passes the builders' checks;
 an unknown --op-configs name is refused before any GPU work."""
 import dataclasses
-import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 
 @pytest.fixture(scope="module")

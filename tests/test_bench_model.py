@@ -1,12 +1,7 @@
 """bench_model's allocator replay (``--segments``): each segment the CUDA caching allocator added, with the state
 it was added in, from the allocator's recorded trace. The trace here is written by hand in the format of
 ``torch.cuda.memory._snapshot()`` (no GPU needed)."""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import bench_model  # noqa: E402
+import bench_model  # benchmarks/ (pytest.ini's pythonpath)
 
 G = 1 << 30
 

@@ -11,8 +11,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from dumps import toy_dump, xss_dump
-from xss_layer import PAYLOAD
+from tests.support.xss_layer import PAYLOAD
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
@@ -58,12 +57,9 @@ def parse(dom):
     return p
 
 
-@pytest.fixture(scope="module")
-def pages(tmp_path_factory):
-    toy, xss = tmp_path_factory.mktemp("toy"), tmp_path_factory.mktemp("xss")
-    toy_dump(toy)
-    xss_dump(xss)
-    return toy / "index.html", xss / "index.html"
+@pytest.fixture
+def pages(kept_dump, xss_dump):
+    return kept_dump[0] / "index.html", xss_dump[0] / "index.html"
 
 
 def test_must_save_node_drawn_as_saved(pages, tmp_path):

@@ -5,7 +5,7 @@ import torch
 
 import sacpass
 from sacpass.testing import OpCounter
-from toy import TOY_TOPK_OPS, ToyLayer, compile_and_train
+from tests.support.toy import TOY_TOPK_OPS, ToyLayer, compile_and_train
 
 TOPK = "sacpass_toy::topk_ids"
 

@@ -11,6 +11,8 @@ import sacpass
 from sacpass import policies
 from sacpass.report_store import artifact_key, report_dir
 from sacpass.selectors import PREDICATE_KEY_DEPTH, predicate_key
+from sacpass.testing import OpCounter
+from tests.support.toy import TOY_TOPK_OPS, ToyLayer
 
 MM = torch.ops.aten.mm.default
 SAVE_MM = True  # read by the predicates below
@@ -284,3 +286,30 @@ def test_a_warm_hit_without_a_persisted_report_says_so(fresh_cache):
     be = sacpass.backend(use_registered=False, save_discrete=False)
     warned = run(be)
     assert be.reports == [] and any("no sacpass report was persisted" in w for w in warned), warned
+
+
+def test_lambda_predicate_bypasses_cache_explicitly():
+    with pytest.warns(sacpass.SacpassWarning, match="caches are bypassed"):
+        be = sacpass.backend(save=[lambda n: n.name == "topk_ids"], inner="aot_eager", use_registered=False,
+                             save_discrete=False)
+    assert be.uuid is None
+
+    def named(node):
+        return node.name == "topk_ids"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        be = sacpass.backend(save=[named], inner="aot_eager", use_registered=False, save_discrete=False)
+    assert be.uuid is not None
+    model = torch.compile(ToyLayer(), backend=be, fullgraph=True)
+    out = model(torch.randn(8, 32, requires_grad=True))
+    with OpCounter(*TOY_TOPK_OPS) as topk:
+        out.sum().backward()
+    assert topk.total == 0
+
+
+def test_lambda_warning_points_at_the_users_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sacpass.backend(save=[lambda n: False])
+    (w,) = [w for w in caught if "no stable cache key" in str(w.message)]
+    assert w.filename == __file__

@@ -1,5 +1,7 @@
-"""``python -m sacpass report|diff|show|demo``. The main paths run as subprocesses (two at a time: each one
-imports torch); the error cases run through the same ``main()`` in-process, plus one as a subprocess."""
+"""``python -m sacpass report|diff|show``. ``report`` and one corrupted dump run as subprocesses, side by side
+(each one imports torch), through the real entry point; ``diff``, ``show`` and the other error cases run through
+the same ``main()`` in-process."""
+import contextlib
 import io
 import json
 import os
@@ -10,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dumps import toy_dump
 from sacpass.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,22 +23,25 @@ def _sacpass(*args):
                           env=env, timeout=300, cwd=ROOT)
 
 
+def _in_process(*args) -> subprocess.CompletedProcess:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args], out=out)
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
 def _corrupt(report_json):
     report_json.write_text('{"kind": "sacpass.report", "saved": [')
 
 
 @pytest.fixture(scope="module")
-def dumps(tmp_path_factory):
-    base = tmp_path_factory.mktemp("cli")
-    kept, plain = base / "kept", base / "plain"
-    toy_dump(kept, policy=True)
-    toy_dump(plain, policy=False)
-    return base, kept, plain
+def dumps(tmp_path_factory, kept_dump, plain_dump):
+    return tmp_path_factory.mktemp("cli"), kept_dump[0], plain_dump[0]
 
 
 @pytest.fixture(scope="module")
 def runs(dumps):
-    """Every subprocess invocation the tests look at, run two at a time."""
+    """Every command the tests look at: the two subprocesses side by side, then the rest in-process."""
     base, kept, plain = dumps
     shown = base / "shown"
     shutil.copytree(kept, shown)
@@ -45,10 +49,10 @@ def runs(dumps):
     corrupted = base / "corrupted"
     shutil.copytree(kept, corrupted)
     _corrupt(corrupted / "g0" / "report.json")
-    calls = {"report": ("report", kept), "diff": ("diff", kept, plain), "show": ("show", shown),
-             "corrupted": ("report", corrupted)}
+    calls = {"report": ("report", kept), "corrupted": ("report", corrupted)}
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(calls, pool.map(lambda a: _sacpass(*a), calls.values())))
+    results.update(diff=_in_process("diff", kept, plain), show=_in_process("show", shown))
     return {"shown": shown, **results}
 
 
@@ -124,23 +128,17 @@ def test_bad_dumps_exit_2_with_one_line(dumps, tmp_path, capsys, case, message):
         assert len(err.strip().splitlines()) == 1 and err.startswith("sacpass: ") and message in err, err
 
 
-def test_demo_passes_its_arguments_through(monkeypatch, capsys):
-    """``demo`` imports glm52_model.demo lazily and hands it the rest of the command line."""
-    import importlib.util
-
-    if importlib.util.find_spec("glm52_model") is None or importlib.util.find_spec("glm52_model.demo") is None:
-        assert main(["demo"]) == 2
-        assert capsys.readouterr().err.startswith("sacpass: the demo needs glm52_model.demo")
-        return
-    calls = []
-    monkeypatch.setattr("glm52_model.demo.main", lambda argv: calls.append(argv) or 0)
-    assert main(["demo", "--steps", "1", "--help-me"]) == 0 and calls == [["--steps", "1", "--help-me"]]
+def test_demo_moved_to_the_model_package_names_the_new_command(capsys):
+    """The library imports nothing from glm52_model: ``python -m sacpass demo`` (with any arguments) is one line
+    on stderr naming the command that runs the demo now, and exit code 2."""
+    assert main(["demo", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("sacpass: "), err
+    assert "python -m glm52_model.demo [ARGS...]" in err and "same arguments" in err
 
 
-def test_cli_diff_prints_each_graphs_bytes_once(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    toy_dump(a, policy=False)
-    toy_dump(b, policy=True)
+def test_cli_diff_prints_each_graphs_bytes_once(dumps):
+    _, b, a = dumps
     buf = io.StringIO()
     assert main(["diff", str(a), str(b)], out=buf) == 1
     assert buf.getvalue().count("g0: saved bytes") == 1, buf.getvalue()

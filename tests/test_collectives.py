@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 import sacpass
-from toy import ToyLayer
+from tests.support.toy import ToyLayer
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ class GatheredKV(ToyLayer):
     def body(self, x):
         ids = self.indexer(x)
         kv = fc.all_gather_tensor(self.wkv(x), 0, dist.group.WORLD)
-        from toy import sparse_attend
+        from tests.support.toy import sparse_attend
         h = x + self.wo(sparse_attend(self.wq(x), kv, ids))
         return h + self.mlp(h)
 

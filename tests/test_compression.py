@@ -16,7 +16,7 @@ import sacpass
 import sacpass.offload as rt
 from sacpass.offload.placement import Budgets, place_step
 from sacpass.compression import TILE, pack, packed_bytes, unpack
-from helpers import relative_error
+from tests.support.helpers import relative_error
 from test_model_plan import LAYERS, REGION, _eager, _plan, _run
 
 
@@ -153,7 +153,7 @@ def test_exact_for_every_planned_op_sends_nothing_packed_and_the_grads_are_eager
 def test_an_exact_selector_that_names_no_planned_value_is_reported_like_an_unmatched_selector():
     from sacpass.testing import no_compile_caches
     from test_model_plan import _step, _x
-    from toy import CompiledStack
+    from tests.support.toy import CompiledStack
 
     plan = _plan(0, 1 << 20, compress="fp8", exact=("aten::bmm", "aten::topk"))
     with no_compile_caches():

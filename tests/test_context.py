@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sacpass
 from sacpass.testing import OpCounter
-from toy import BreakingLayer, ToyLayer, assert_close_lists, grads_of
+from tests.support.toy import BreakingLayer, ToyLayer, assert_close_lists, grads_of
 
 TOPK = ("sacpass_toy::topk_ids", "aten::topk", "glm52::dsa_topk_indices")
 
@@ -56,7 +56,7 @@ def test_module_scoped_selector_in_eager():
 
 def _glm_layer(index):
     from glm52_model import GLM52Config, GLM52ForCausalLM
-    from golden_cases import _glm_inputs, _shared_ids
+    from tests.support.golden_cases import _glm_inputs, _shared_ids
 
     torch.manual_seed(0)
     cfg = GLM52Config.tiny(recompute=False)
@@ -193,7 +193,7 @@ def test_strict_error_names_the_eager_region():
         warnings.simplefilter("ignore")
         with pytest.raises(Exception) as info:
             _step(torch.compile(forward, backend=be), model, x)  # raised when the backward starts
-    from toy import unwrap
+    from tests.support.toy import unwrap
     err = unwrap(info)
     assert isinstance(err, sacpass.UnmatchedSelectorError)
     assert "runs eagerly" in str(err) and "test_context.py" in str(err)

@@ -9,7 +9,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import sacpass
 import sacpass.testing
-from toy import TOY_TOPK_OPS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, compile_and_train, grads_of
+from tests.support.toy import (TOY_TOPK_OPS, OpCounter, ToyLayer, TwoRegions, assert_close_lists, compile_and_train,
+                                grads_of)
 
 TOPK = "sacpass_toy::topk_ids"
 
@@ -68,14 +69,11 @@ def test_named_backend_with_options():
     assert be.reports and be.reports[-1].saved_ops().count(TOPK + ".default") == 1
 
 
-def test_named_backend_rejects_unknown_option():
-    model = torch.compile(ToyLayer(), backend="sacpass", options={"sav": [TOPK]})
-    with pytest.raises(Exception) as info:
-        model(torch.randn(8, 32))
-    assert "unknown backend option" in str(info.value) and "save" in str(info.value)
-
-
-@pytest.mark.parametrize("selector", ["indexer::aten::topk", "ToyIndexer::aten.topk", "ind*::aten::topk.default"])
+# by path in the quick run; by class and by glob, the same matching, in the full suite (the README's example selects
+# by class, test_bad_inputs_selectors by glob)
+@pytest.mark.parametrize("selector", ["indexer::aten::topk",
+                                      pytest.param("ToyIndexer::aten.topk", marks=pytest.mark.slow),
+                                      pytest.param("ind*::aten::topk.default", marks=pytest.mark.slow)])
 def test_plain_aten_topk_by_module(selector):
     ref = ToyLayer(use_aten_topk=True)
     x = torch.randn(16, 32)
@@ -98,13 +96,6 @@ def test_plain_aten_topk_by_module(selector):
     with OpCounter(torch.ops.aten.topk) as counter:
         out.square().sum().backward()
     assert counter.count == 1
-
-
-def test_module_selector_does_not_match_other_modules():
-    be = sacpass.backend(save=["mlp::aten::topk"], inner="aot_eager", use_registered=False, save_discrete=False)
-    model = torch.compile(ToyLayer(use_aten_topk=True), backend=be, fullgraph=True)
-    with pytest.raises(sacpass.UnmatchedSelectorError, match="matched no forward node"):
-        model(torch.randn(8, 32, requires_grad=True)).sum().backward()
 
 
 def test_back_to_back_regions():
@@ -234,7 +225,7 @@ def test_registered_policy_is_the_default():
                                         ("effectful", "sacpass_toy::topk_ids_effectful")])
 def test_wrapped_ops(variant, op):
     """auto_functionalized / with_effects around the selected op: the wrapper and its outputs are tagged."""
-    from toy import WRAPPED_TOPK_CALLS, WrappedTopkLayer
+    from tests.support.toy import WRAPPED_TOPK_CALLS, WrappedTopkLayer
     ref = WrappedTopkLayer(variant)
     x = torch.randn(16, 32)
     _, grads_e, _, _ = run_step(ref, x)
@@ -378,7 +369,7 @@ def test_module_scoping_does_not_depend_on_how_checkpoint_was_called(how, select
 
 
 def test_op_counter_sees_ops_inside_functionalized_wrappers():
-    from toy import WrappedTopkLayer
+    from tests.support.toy import WrappedTopkLayer
 
     be = sacpass.backend(save=["sacpass_toy::topk_ids_counting"], inner="aot_eager", save_discrete=False)
     model = torch.compile(WrappedTopkLayer("mutating"), backend=be, fullgraph=True)

@@ -1,4 +1,4 @@
-"""The main job runs as the README says: ``python -m sacpass demo``, then the CLI reads its dumps."""
+"""The main job runs as the README says: ``python -m glm52_model.demo``, then the CLI reads its dumps."""
 import os
 import subprocess
 import sys
@@ -8,11 +8,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _readme_demo_command() -> list[str]:
+    """The command after ``&&`` on the README's set-up line (``pip install ... && python -m glm52_model.demo``)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        steps = [ln.split("&&") for ln in f if ln.strip().startswith("pip install torch==")]
+    (setup,) = [s for s in steps if len(s) == 2 and s[1].split()[:2] == ["python", "-m"]]
+    return setup[1].split()
+
+
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     dump = tmp_path / "dumps"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "sacpass", "demo", "--steps", "2", "--seq", "64",
+    python, *command = _readme_demo_command()
+    assert python == "python" and command == ["-m", "glm52_model.demo"], command
+    proc = subprocess.run([sys.executable, *command, "--steps", "2", "--seq", "64",
                            "--dump-dir", str(dump)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     out = proc.stdout

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sacpass
 from sacpass.testing import OpCounter
-from toy import assert_close_lists, grads_of
+from tests.support.toy import assert_close_lists, grads_of
 
 DISCRETE = ("aten::topk", "aten::sort", "aten::argmax", "aten::max", "glm52::dsa_topk_indices",
             "sacpass_toy::drifting_topk")

@@ -3,24 +3,14 @@ import json
 import re
 
 import pytest
+import torch
 
-from dumps import toy_dump, xss_dump
+import sacpass
 from sacpass.dump import read_index, read_view, render_dump
 from sacpass.errors import DumpError
 from sacpass.testing import golden_text
-from xss_layer import PAYLOAD
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    d = tmp_path_factory.mktemp("toy_dump")
-    return d, toy_dump(d)
-
-
-@pytest.fixture(scope="module")
-def xss(tmp_path_factory):
-    d = tmp_path_factory.mktemp("xss_dump")
-    return d, xss_dump(d)
+from tests.support.toy import compile_toy
+from tests.support.xss_layer import PAYLOAD
 
 
 def _page_data(html: str) -> dict:
@@ -28,8 +18,8 @@ def _page_data(html: str) -> dict:
     return json.loads(m.group(1))
 
 
-def test_dump_layout(toy):
-    d, be = toy
+def test_dump_layout(kept_dump):
+    d, be = kept_dump
     assert read_index(d) == ["g0"]
     names = {p.name for p in (d / "g0").iterdir()}
     assert names == {"joint.txt", "forward.txt", "backward.txt", "forward.normalized.txt",
@@ -41,8 +31,8 @@ def test_dump_layout(toy):
     assert "/work/" not in (d / "g0" / "backward.normalized.txt").read_text()
 
 
-def test_page_is_self_contained(toy):
-    d, _ = toy
+def test_page_is_self_contained(kept_dump):
+    d, _ = kept_dump
     html = (d / "index.html").read_text()
     assert not re.search(r"(src|href)\s*=", html, re.I)  # no external scripts, styles, images or links
     assert "http://" not in html and "https://" not in html and "<link" not in html
@@ -57,8 +47,8 @@ def test_page_is_self_contained(toy):
     assert g["total_bytes"] == sum(s["bytes"] for s in g["saved"])
 
 
-def test_injected_source_line_is_escaped(xss):
-    d, _ = xss
+def test_injected_source_line_is_escaped(xss_dump):
+    d, _ = xss_dump
     html = (d / "index.html").read_text()
     assert PAYLOAD not in html and "<script>alert" not in html
     assert html.count("<script") == 2  # the data block and the page's own script
@@ -67,16 +57,16 @@ def test_injected_source_line_is_escaped(xss):
     assert codes and PAYLOAD in codes[0]  # the text itself survives, as data
 
 
-def test_show_rebuilds_the_page_from_json(toy, tmp_path):
-    d, _ = toy
+def test_show_rebuilds_the_page_from_json(kept_dump, tmp_path):
+    d, _ = kept_dump
     before = (d / "index.html").read_text()
     assert render_dump(d) == str(d / "index.html")
     assert (d / "index.html").read_text() == before
 
 
-def test_corrupted_graph_json_is_a_dump_error(toy, tmp_path):
+def test_corrupted_graph_json_is_a_dump_error(kept_dump, tmp_path):
     import shutil
-    d, _ = toy
+    d, _ = kept_dump
     copy = tmp_path / "dump"
     shutil.copytree(d, copy)
     view = json.loads((copy / "g0" / "graph.json").read_text())
@@ -89,7 +79,7 @@ def test_corrupted_graph_json_is_a_dump_error(toy, tmp_path):
         read_index(copy)
 
 
-def test_trace_report_emits_a_structured_artifact(toy):
+def test_trace_report_emits_a_structured_artifact(kept_dump):
     import logging
 
     from torch._logging._internal import trace_log
@@ -106,9 +96,19 @@ def test_trace_report_emits_a_structured_artifact(toy):
     trace_log.addHandler(handler)
     trace_log.setLevel(logging.DEBUG)
     try:
-        trace_report(toy[1].reports[0])
+        trace_report(kept_dump[1].reports[0])
     finally:
         trace_log.removeHandler(handler)
         trace_log.setLevel(level)
     ours = [r for r in records if getattr(r, "metadata", {}).get("artifact", {}).get("name") == "sacpass_report_g0"]
     assert len(ours) == 1 and '"kind": "sacpass.report"' in ours[0].payload, [r.metadata for r in records]
+
+
+def test_dump_written(tmp_path):
+    be, model = compile_toy(save=["sacpass_toy::topk_ids"], dump_dir=tmp_path / "dump")
+    model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    folder = tmp_path / "dump" / "g0"
+    assert {p.name for p in folder.iterdir()} >= {"joint.txt", "forward.txt", "backward.txt", "report.json"}
+    assert "MUST_SAVE" in (folder / "joint.txt").read_text()
+    back = sacpass.Report.from_json((folder / "report.json").read_text())
+    assert back.to_json() == be.reports[0].to_json()

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import sacpass
 import sacpass.graph_breaks as gb
 from sacpass.testing import OpCounter
-from toy import BreakingLayer
+from tests.support.toy import BreakingLayer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

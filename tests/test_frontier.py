@@ -15,7 +15,7 @@ import torch
 import sacpass
 import sacpass.offload as offload_runtime
 from sacpass.testing import OpCounter, assert_graphs_match, no_compile_caches
-from toy import ToyLayer, TwoRegions, assert_close_lists, grads_of, unwrap
+from tests.support.toy import ToyLayer, TwoRegions, assert_close_lists, grads_of, unwrap
 
 TOPK = "sacpass_toy::topk_ids"
 

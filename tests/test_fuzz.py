@@ -1,6 +1,6 @@
 """Property-based tests of the sacpass pass: generated programs, checkpoint regions and policies.
 
-For every generated case (tests/fuzz_ops.py holds the vocabulary) the compiled model either
+For every generated case (tests/support/fuzz_ops.py holds the vocabulary) the compiled model either
   * matches eager (outputs and gradients), runs no must-save op again during backward (counted at run
     time), saves exactly the bytes its report states (counted at run time with saved-tensor hooks, and
     summed from the backward graph's inputs), and never saves a must-recompute node; or
@@ -28,9 +28,9 @@ from torch._inductor import config as inductor_config
 
 import sacpass
 import sacpass.offload as offload_runtime
-from fuzz_ops import (ABSENT_OPS, COUNTABLE, DISCRETE_OPS, RANDOM_STEPS, S, STEP_VIEWS, STEPS, D, FuzzModel,
-                      PacketCounter, Program, packet)
-from toy import grads_of
+from tests.support.fuzz_ops import (ABSENT_OPS, COUNTABLE, DISCRETE_OPS, RANDOM_STEPS, S, STEP_VIEWS, STEPS, D,
+                                    FuzzModel, PacketCounter, Program, packet)
+from tests.support.toy import grads_of
 
 # ------------------------------------------------------------------------------------------ profiles
 _COMMON = dict(deadline=None, database=None, print_blob=True,
@@ -321,11 +321,20 @@ def _inductor_cases(max_steps):
     return cases(steps=INDUCTOR_STEPS, ops_filter=INDUCTOR_OPS, max_steps=max_steps, mistakes=("none",))
 
 
+# both custom top-k ops saved and aten.topk recomputed, in nested regions: the quick run's Inductor case
+INDUCTOR_EXAMPLE = Case(P(("nograd_ids", "pair", "topk"), ((0, 3), (1, 2))),
+                        save=("sacpass_toy::topk_ids", "sacpass_toy::topk_pair"), recompute=("aten::topk",))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fuzz_inductor_example():
+    check_case(INDUCTOR_EXAMPLE, "inductor")
+
+
+@pytest.mark.slow  # a C++ compile per generated case (the example above runs in the quick run)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @fuzz_settings("inductor")
 @given(case=_inductor_cases(3))
-@example(case=Case(P(("nograd_ids", "pair", "topk"), ((0, 3), (1, 2))),
-                   save=("sacpass_toy::topk_ids", "sacpass_toy::topk_pair"), recompute=("aten::topk",)))
 def test_fuzz_inductor(case):
     check_case(case, "inductor")
 

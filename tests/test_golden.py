@@ -1,6 +1,6 @@
 """Golden forward/backward graphs: one file per case in tests/expected_graphs/ (``pytest -m golden``).
 
-The cases (tests/golden_cases.py) compile with ``inner="aot_eager"``: the same sacpass partition as
+The cases (tests/support/golden_cases.py) compile with ``inner="aot_eager"``: the same sacpass partition as
 Inductor, executed eagerly, so the whole file runs in about two minutes on two CPU cores. One file holds on
 every tested torch (2.13 to 2.15); a release that partitions a case differently reads its own
 ``<case>.torch-X.Y.txt`` instead (sacpass.testing). After an intended change:
@@ -13,11 +13,10 @@ import shutil
 import pytest
 import torch
 
-import golden_cases
 import sacpass
-from golden_cases import CASES, GLM_CASES, build, glm_available
 from sacpass.testing import ACCEPT_ENV, assert_graphs_match, expected_path, golden_text, release_path
-from toy import ToyLayer, compile_and_train
+from tests.support.golden_cases import CASES, GLM_CASES, build, glm_available
+from tests.support.toy import ToyLayer, compile_and_train
 
 pytestmark = pytest.mark.golden
 EXPECTED = os.path.join(os.path.dirname(__file__), "expected_graphs")
@@ -42,7 +41,7 @@ def test_golden_graphs(name):
 def test_changed_policy_fails_the_golden(monkeypatch):
     """Compiling the toy without its must-save policy puts the top-k back into the backward: the golden fails."""
     monkeypatch.delenv(ACCEPT_ENV, raising=False)
-    be = golden_cases._toy(golden_cases._aot())  # a fresh compile, no policy
+    be = build("toy_baseline")  # the same toy compiled without the policy
     with pytest.raises(AssertionError) as info:
         assert_graphs_match("toy_sacpass", be, directory=EXPECTED)
     diff = str(info.value)

@@ -37,10 +37,8 @@ def test_recomputes_are_found_by_what_they_compute_not_only_by_name():
     """A backward copy of a forward op is a recompute whether or not it kept the forward node's name (some torch
     releases name the copy anew): renaming every backward call leaves the same {copy: forward op} pairs."""
     import copy
-    import sys
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from golden_cases import build
+    from tests.support.golden_cases import build
 
     from sacpass.nodes import recomputed_names
     result = build("toy_sacpass").results[0]

@@ -1,14 +1,9 @@
 """The layer benchmark's harness (benchmarks/layerbench): a step runs the variant's forward and backward and
 returns the loss, and ``--experts`` maps to the config override."""
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-from layerbench import variants as lv  # noqa: E402
-from layerbench.measure import step  # noqa: E402
+from layerbench import variants as lv  # benchmarks/ (pytest.ini's pythonpath)
+from layerbench.measure import step
 
 
 class _Records(torch.autograd.Function):

@@ -22,7 +22,7 @@ from sacpass.offload import clocks, plan_state
 from sacpass.offload.placement import Budgets, place_step
 from sacpass.offload.runtime import process_runtime
 from sacpass.testing import no_compile_caches
-from toy import CompiledStack
+from tests.support.toy import CompiledStack
 
 RT = process_runtime()
 LAYERS = 4

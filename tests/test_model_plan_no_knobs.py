@@ -13,7 +13,7 @@ from sacpass.calibration import BENCHMARKS, CalibrationStore, OpTimer, calibrate
 from sacpass.offload.runtime import process_runtime
 from sacpass.plan import default_host_bytes
 from sacpass.testing import OpCounter, no_compile_caches
-from toy import TOY_TOPK_OPS, CompiledStack
+from tests.support.toy import TOY_TOPK_OPS, CompiledStack
 
 LAYERS = 4
 

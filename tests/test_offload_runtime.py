@@ -17,7 +17,7 @@ import sacpass.offload as rt
 from sacpass.offload.runtime import process_runtime
 from sacpass.offload.transfers import ReadOrders
 from sacpass.testing import no_compile_caches
-from toy import CompiledStack
+from tests.support.toy import CompiledStack
 
 RT = process_runtime()
 N_LAYERS = 3

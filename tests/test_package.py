@@ -18,11 +18,8 @@ def test_policies_star_import():
     assert {"Policy", "register_must_save", "registered_must_save", "clear_registry"} <= set(namespace)
 
 
-def test_import_and_cli_do_not_import_dynamo_or_inductor(tmp_path):
-    from dumps import toy_dump
-
-    directory = tmp_path / "d"
-    toy_dump(directory)
+def test_import_and_cli_do_not_import_dynamo_or_inductor(kept_dump):
+    directory, _ = kept_dump
     code = ("import sys, sacpass, sacpass.cli;"
             f"rc = sacpass.cli.main(['report', {str(directory)!r}], out=open(__import__('os').devnull, 'w'));"
             "bad = [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules];"

@@ -13,9 +13,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import sacpass
-from fuzz_ops import D, FuzzModel, Program
 from sacpass.testing import OpCounter
-from toy import TOY_TOPK_OPS
+from tests.support.fuzz_ops import D, FuzzModel, Program
+from tests.support.toy import TOY_TOPK_OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPK = "sacpass_toy::topk_ids"
@@ -58,16 +58,15 @@ def test_every_policy_knob_enters_the_cache_key(monkeypatch):
 
 
 _CHILD = textwrap.dedent("""
-    import json, sys
+    import json
     import torch
     from torch._dynamo.utils import counters
     from torch._functorch import config as fc
     from torch._inductor import config as ic
-    sys.path.insert(0, "tests")
     import sacpass
-    from fuzz_ops import D, FuzzModel, Program
     from sacpass.testing import OpCounter
-    from toy import TOY_TOPK_OPS
+    from tests.support.fuzz_ops import D, FuzzModel, Program
+    from tests.support.toy import TOY_TOPK_OPS
     with ic.patch(fx_graph_cache=True, fx_graph_remote_cache=False), fc.patch(enable_autograd_cache=True):
         # the packet spelling of the parent's "sacpass_toy::topk_ids": the same policy, the same key
         be = sacpass.backend(save=[torch.ops.sacpass_toy.topk_ids], use_registered=False, save_discrete=False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sacpass
-from toy import ToyLayer, compile_and_train
+from tests.support.toy import ToyLayer, compile_and_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPK = "sacpass_toy::topk_ids"
@@ -41,7 +41,7 @@ def test_report_groups_the_recomputed_ops():
 
 @pytest.mark.slow
 def test_reports_appear_under_torch_trace(tmp_path):
-    code = ("import torch, sacpass, sys; sys.path.insert(0, 'tests'); from toy import ToyLayer;"
+    code = ("import torch, sacpass; from tests.support.toy import ToyLayer;"
             "be = sacpass.backend(inner='aot_eager');"
             "torch.compile(ToyLayer(), backend=be, fullgraph=True)(torch.randn(8, 32, requires_grad=True)).sum().backward()")
     env = dict(os.environ, TORCH_TRACE=str(tmp_path))

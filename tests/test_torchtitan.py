@@ -142,14 +142,20 @@ def _assert_equal_to_eager(eager, compiled):
 SACPASS = (titan.OVERRIDE, {"inner": "aot_eager"})
 
 
-def test_full_ac_router_topk_never_runs_in_the_backward():
-    # control: torchtitan's FullAC and per-block compile with plain min-cut replay every MoE block's top-k
+@pytest.mark.slow
+def test_plain_full_ac_replays_every_moe_blocks_topk():
+    """The control of the test below: torchtitan's FullAC and per-block compile with plain min-cut replay every
+    MoE block's top-k in the backward."""
     _, _, plain, breaks, model, _ = _train_case(FullAC.Config())
     moe = _moe_blocks(model)
     assert moe == 5 and breaks == 0
     assert plain.backward == moe
 
+
+def test_full_ac_router_topk_never_runs_in_the_backward():
     eager, compiled, topk, breaks, model, job = _train_case(FullAC.Config(), imports=[SACPASS])
+    moe = _moe_blocks(model)
+    assert moe == 5
     assert type(job.activation_checkpoint) is titan.SacpassFullAC.Config
     assert job.activation_checkpoint.sacpass == {"inner": "aot_eager"}
     assert topk.backward == 0

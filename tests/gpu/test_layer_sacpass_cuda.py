@@ -18,7 +18,7 @@ import sacpass
 from glm52_model import GLM52Config
 from glm52_model.compile import apply_compile
 from glm52_model.model import DecoderLayer, init_weights, packed_ranges
-from helpers import assert_similar
+from tests.support.helpers import assert_similar
 from sacpass.testing import OpCounter
 
 

@@ -17,10 +17,9 @@ import sacpass
 import sacpass.offload as offload_runtime
 from glm52_model import GLM52Config, GLM52ForCausalLM
 from glm52_model.compile import apply_compile
-from helpers import cosine_similarity, relative_error
+from tests.support.helpers import cosine_similarity, relative_error
 from sacpass.testing import OpCounter
 
-pytestmark = pytest.mark.gpu
 SEQ = 16384
 
 

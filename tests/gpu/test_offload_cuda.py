@@ -13,9 +13,8 @@ import sacpass
 import sacpass.offload as offload_runtime
 from sacpass.offload.runtime import process_runtime
 from sacpass.testing import OpCounter
-from toy import CompiledStack, ToyLayer
+from tests.support.toy import CompiledStack, ToyLayer
 
-pytestmark = pytest.mark.gpu
 N_LAYERS = 3
 
 

@@ -13,8 +13,7 @@ import torch
 import glm52_model.ops  # noqa: F401
 from glm52_model.ops.cuda import REFERENCE_KERNELS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 
 
@@ -55,15 +54,14 @@ def run_on_cuda_kernels_twice() -> dict:
 _CHILD = """
 import json, sys
 sys.modules["tilelang"] = None  # as if TileLang were not installed
-sys.path.insert(0, {here!r})
-from test_cuda_dispatch import run_on_cuda_kernels_twice
+from tests.ops.test_cuda_dispatch import run_on_cuda_kernels_twice
 print(json.dumps(run_on_cuda_kernels_twice()))
 """
 
 
 def test_without_tilelang_each_op_warns_once_and_runs_the_reference():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    r = subprocess.run([sys.executable, "-c", _CHILD.format(here=HERE)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])

@@ -5,7 +5,7 @@ import torch
 
 import glm52_model.ops  # noqa: F401
 from glm52_model.ops.fp8 import dequantize, fp8_linear, quantize_1x128, quantize_128x128, ref_fp8_linear
-from helpers import assert_similar
+from tests.support.helpers import assert_similar
 
 OP = torch.ops.glm52.fp8_blockwise_mm
 

@@ -4,7 +4,7 @@ groups, no tile across two experts, and the tiny model trained 20 steps with FP8
 experts (loss within 1%)."""
 import pytest
 import torch
-from helpers import assert_similar
+from tests.support.helpers import assert_similar
 
 import glm52_model.ops
 from glm52_model import GLM52Config, GLM52ForCausalLM

@@ -7,7 +7,7 @@ import torch
 
 import glm52_model.ops  # noqa: F401
 from glm52_model.ops.grouped_mm import ref_grouped_mm
-from helpers import assert_similar
+from tests.support.helpers import assert_similar
 
 OP, BWD = torch.ops.glm52.fp8_grouped_mm, torch.ops.glm52.fp8_grouped_mm_bwd
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import glm52_model.ops  # noqa: F401
-from helpers import assert_similar
+from tests.support.helpers import assert_similar
 from sacpass.testing import OpCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,8 +70,7 @@ import json, sys, warnings
 sys.modules["tilelang"] = None  # as if TileLang were not installed
 import torch
 import glm52_model.ops
-sys.path[:0] = ["tests", "tests/ops"]
-from test_ops_compile_cuda import _inputs
+from tests.ops.test_ops_compile_cuda import _inputs
 qi, ki, w, starts, ends, q, kv, topk = _inputs()
 with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")

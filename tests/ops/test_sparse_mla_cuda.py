@@ -9,7 +9,7 @@ import torch
 
 import glm52_model.ops  # noqa: F401
 from glm52_model.ops.sparse_mla import ref_sparse_mla
-from helpers import assert_similar
+from tests.support.helpers import assert_similar
 
 pytest.importorskip("glm52_model.ops.cuda.sparse_mla_tl", reason="TileLang not installed")
 

@@ -1,4 +1,5 @@
-"""One rank of the many-ranks-one-host test (tests/test_host_budget.py), started by torchrun on the CPU (gloo).
+"""One rank of the many-ranks-one-host test (tests/test_host_budget.py), started by torchrun on the CPU (gloo),
+with the repository root on PYTHONPATH.
 
 The host's memory comes from a fake cgroup (``--cgroup DIR``: its memory.max is the container's limit). Each rank
 trains two steps of a toy stack under ``sacpass.ModelPlan(layers=.., cost=..)`` (its host budget the default:
@@ -10,13 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
 def main() -> None:
@@ -34,7 +31,7 @@ def main() -> None:
     import sacpass
     import sacpass.offload as rt
     from sacpass.testing import no_compile_caches
-    from toy import CompiledStack
+    from tests.support.toy import CompiledStack
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-import toy  # noqa: F401  registers sacpass_toy::topk_ids and sacpass_toy::topk_pair
+import sacpass
+from tests.support import toy  # noqa: F401  registers sacpass_toy::topk_ids and sacpass_toy::topk_pair
 
 S, D, K = 8, 8, 3  # tokens, width, top-k
 
@@ -170,6 +171,15 @@ class FuzzModel(nn.Module):
 
     def forward(self, x):
         return self._run(0, len(self.program.steps), self.program.regions, x, x)
+
+
+def compile_program(program: Program, **kw):
+    """A sacpass backend (``inner="aot_eager"``, no registered ops unless given) and a :class:`FuzzModel` of
+    ``program`` compiled with it, ``fullgraph=True``."""
+    kw.setdefault("inner", "aot_eager")
+    kw.setdefault("use_registered", False)
+    be = sacpass.backend(**kw)
+    return be, torch.compile(FuzzModel(program), backend=be, fullgraph=True)
 
 
 class PacketCounter(TorchDispatchMode):

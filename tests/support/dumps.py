@@ -6,8 +6,8 @@ import os
 import torch
 
 import sacpass
-from toy import ToyLayer
-from xss_layer import EvilLayer
+from tests.support.toy import ToyLayer
+from tests.support.xss_layer import EvilLayer
 
 TOY_TOPK = "sacpass_toy::topk_ids"
 

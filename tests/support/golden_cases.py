@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 import sacpass
-from toy import ToyLayer
+from tests.support.toy import ToyLayer
 
 TOY_TOPK = "sacpass_toy::topk_ids"
 GLM_TOPK = "glm52::dsa_topk_indices"

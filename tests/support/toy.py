@@ -145,6 +145,25 @@ def compile_and_train(be, model: nn.Module, x: torch.Tensor) -> None:
     out.sum().backward()
 
 
+def train_counting(be, model: nn.Module, x: torch.Tensor, *ops: str):
+    """:func:`compile_and_train`, counting ``ops`` while the backward runs (a ``sacpass.testing.OpCounter``)."""
+    from sacpass.testing import OpCounter
+    out = torch.compile(model, backend=be, fullgraph=True)(x.detach().clone().requires_grad_(True))
+    with OpCounter(*ops) as calls:
+        out.sum().backward()
+    return calls
+
+
+def compile_toy(model: nn.Module | None = None, **kw):
+    """A sacpass backend (``inner="aot_eager"``, no registered ops unless given) and ``model`` (a
+    :class:`ToyLayer` by default) compiled with it, ``fullgraph=True``."""
+    import sacpass
+    kw.setdefault("inner", "aot_eager")
+    kw.setdefault("use_registered", False)
+    be = sacpass.backend(**kw)
+    return be, torch.compile(model or ToyLayer(), backend=be, fullgraph=True)
+
+
 def grads_of(module: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in module.parameters() if p.grad is not None] + \
         [x.grad.detach().clone() for x in inputs if x.grad is not None]

@@ -2,7 +2,7 @@
 import torch
 import torch.nn as nn
 
-import toy  # noqa: F401  (registers sacpass_toy::topk_ids)
+from tests.support import toy  # noqa: F401  (registers sacpass_toy::topk_ids)
 
 PAYLOAD = "</script><script>alert(1);document.documentElement.setAttribute('data-pwned','1')</script>"
 
