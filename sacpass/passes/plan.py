@@ -111,7 +111,7 @@ class _Candidate:
     outputs: list[torch.fx.Node]  # the node, or the getitems of a multi-output node the backward reads
     nbytes: int
     seconds: float = 0.0
-    form: list[torch.fx.Node] | None = None  # what is kept in its place: its smaller exact form (see _narrow)
+    form: list[torch.fx.Node] | None = None  # what is kept in its place: its smaller exact form (see _smallest_exact_form)
 
 
 def _in_region(node: torch.fx.Node) -> bool:
@@ -169,14 +169,14 @@ def _candidates(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> dict[tor
             continue
         vals = sorted(values, key=lambda v: v.name)
         cand = _Candidate(producer, vals, sum(_tensor_bytes(v.meta.get("val")) for v in vals))
-        cand.form = _narrow(cand, reads[producer])
+        cand.form = _smallest_exact_form(cand, reads[producer])
         if cand.form is not None:
             cand.nbytes = sum(_tensor_bytes(f.meta.get("val")) for f in cand.form)
         out[producer] = cand
     return out
 
 
-def _narrow(cand: _Candidate, reads: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
+def _smallest_exact_form(cand: _Candidate, reads: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
     """A smaller exact form of what the backward needs from ``cand``, or None. When every backward read that
     leads to the candidate does so through a chain of cheap one-input ops (views, casts, pointwise ops such as
     a comparison with a scalar), keeping the narrowest value of each chain is exact: the backward recomputes
