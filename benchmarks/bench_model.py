@@ -20,7 +20,7 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib, peak_bytes=--peak-gib)``:
 one plan for all layers, placed per layer at run time; ``--peak-gib control`` caps the peak at control's, measured
 first in the same command); ``model_plan_auto`` is ``sacpass.ModelPlan()`` with no arguments but ``--peak-gib``
-(its first step runs uncompiled while it counts the layers, so it compiles in the first warm-up step);
+(its first step runs the policy alone while it counts the layers; the plan compiles in the first warm-up step);
 ``model_plan_fp8`` is the same as ``model_plan`` with ``compress="fp8"`` (lossy: the values
 sent to the host go FP8-packed, but for those ``--exact`` names; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload

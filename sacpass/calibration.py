@@ -49,11 +49,16 @@ def is_heavy(op) -> bool:
     return op.overloadpacket in flop_registry or op.namespace not in ("aten", "prims")
 
 
-def op_signature(op, values) -> str:
-    """``op`` called on ``values`` (its arguments; tensors in any nesting), as ``op|dtype[shape];...``: what the
-    cost model's measured times are keyed by. Symbolic sizes count at their hints."""
-    tensors = [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
-    return f"{op}|" + ";".join(f"{str(t.dtype).removeprefix('torch.')}{[size_hint(s) for s in t.shape]}" for t in tensors)
+def op_signature(op, args, kwargs=None) -> str:
+    """``op`` called on ``args`` and ``kwargs`` (tensors in any nesting), as ``ns::op|dtype[shape];...``: what the
+    cost model's measured times are keyed by. The overload is left out and so is an ``out=`` tensor, so a
+    compiled graph's ``aten.mm.out(a, b, out=c)`` keys as the joint graph's ``aten.mm.default(a, b)``. Symbolic
+    sizes count at their hints."""
+    kwargs = {k: v for k, v in (kwargs or {}).items() if k != "out"}
+    tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    name = op._schema.name if isinstance(op, torch._ops.OpOverload) else str(op)
+    return f"{name}|" + ";".join(f"{str(t.dtype).removeprefix('torch.')}{[size_hint(s) for s in t.shape]}"
+                                 for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -88,7 +93,7 @@ class OpTimer(TorchDispatchMode):
         device = tensors[0].device if tensors else torch.device("cpu")
         start = _clock(device)
         out = func(*args, **kwargs)
-        self.marks.append((op_signature(func, (args, kwargs)), device, start, _clock(device)))
+        self.marks.append((op_signature(func, args, kwargs), device, start, _clock(device)))
         return out
 
     def seconds(self) -> dict[str, float]:

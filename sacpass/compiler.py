@@ -28,7 +28,7 @@ from .errors import warn
 from .frames import running
 from .options import check_mode, check_options, options_key
 from .partitioner.context import CompileContext, GraphIds, PartitionConfig, PartitionResult, active
-from .first_step import DeferredGraph, FirstStep, checkpoint_regions_in, device_of, trains
+from .first_step import CountedGraph, FirstStep, checkpoint_regions_in, device_of, trains
 from .plan import ModelPlan, Plan, as_plan, check_memory_budget, declare
 from .policies import Policy, note_registry_used
 from .report import Report
@@ -136,9 +136,10 @@ class Backend:
         """The cache key a compile starting now runs under (None: the compile caches are bypassed)."""
         return self.open_context().uuid
 
-    def open_context(self, routed_checkpoints: tuple[str, ...] = ()) -> CompileContext:
-        """A compile's context: the config as of now and its cache key (see :func:`report_store.artifact_key`)."""
-        config = self.config
+    def open_context(self, routed_checkpoints: tuple[str, ...] = (), with_plan: bool = True) -> CompileContext:
+        """A compile's context: the config as of now (without its plan for a counting plan's first step) and its
+        cache key (see :func:`report_store.artifact_key`)."""
+        config = self.config if with_plan else dataclasses.replace(self.config, plan=None)
         key = config.key()
         why = config.policy.uncacheable() if key is None else []
         return CompileContext(config, self._ids, routed_checkpoints, owner=self.partitioner,
@@ -174,20 +175,24 @@ class Backend:
         plan = self._config.plan
         if isinstance(plan, ModelPlan) and not plan.resolved and self._resolved_plan is None and \
                 checkpoint_regions_in(gm) and trains(example_inputs):
-            if plan.counts_regions:  # the first step runs uncompiled; the graph compiles at the second
-                return DeferredGraph(gm, self._first_step, lambda args: self._compile_counted(gm, args, routed))
+            if plan.counts_regions:  # the first step runs the policy alone, counted; the plan compiles at the second
+                measuring = self._compile_graph(gm, example_inputs, routed, with_plan=False)
+                return CountedGraph(gm, measuring, self._first_step,
+                                    lambda inputs: self._compile_counted(gm, inputs, routed))
             self.resolve_plan(device_of(example_inputs))
         return self._compile_graph(gm, example_inputs, routed)
 
-    def _compile_counted(self, gm: torch.fx.GraphModule, args: list, routed: tuple[str, ...]):
-        """A deferred graph's compile, after the first step: the plan resolved from what that step counted."""
+    def _compile_counted(self, gm: torch.fx.GraphModule, inputs: list, routed: tuple[str, ...]):
+        """A counted graph's compile, after the first step: the plan resolved from what that step counted."""
         first = self._first_step
-        self.resolve_plan(first.device or device_of(args), regions=first.regions, op_seconds=first.op_seconds())
-        return self._compile_graph(gm, args, routed)
+        self.resolve_plan(first.device or device_of(inputs), regions=first.regions, op_seconds=first.op_seconds())
+        return self._compile_graph(gm, inputs, routed)
 
-    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any], routed: tuple[str, ...]):
-        """One graph through sacpass's partition (see the module docstring), its results published."""
-        ctx = self.open_context(routed)
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any], routed: tuple[str, ...],
+                       with_plan: bool = True):
+        """One graph through sacpass's partition (see the module docstring), its results published;
+        ``with_plan=False``: the policy alone (a counting plan's first step)."""
+        ctx = self.open_context(routed, with_plan=with_plan)
         self._warn_uncached(ctx)
         key = report_store.artifact_key(gm, example_inputs, ctx.uuid, self.inner)
         hits = report_store.cache_hits()

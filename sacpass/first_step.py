@@ -1,12 +1,14 @@
-"""A model plan's first step: counted and timed, uncompiled; the graphs compile at the second.
+"""A model plan's first step: compiled without the plan, counted and timed; the plan compiles at the second.
 
 A :class:`~sacpass.ModelPlan` that is not told ``layers`` cannot partition its first graph: what a region may
-keep depends on how many regions share the budgets, and the first compile happens in the first region. So the
-backend hands Dynamo a :class:`DeferredGraph` for each graph that holds a checkpointed region: in the first
-training step it runs the Dynamo graph as it is (eagerly: every checkpointed region recomputed in the backward,
-as full recompute does) while :class:`FirstStep` counts the regions the step runs and times its heavy ops; at
-the first call after that step's backward has begun, it compiles the graph with the plan resolved and runs the
-compiled graph from then on.
+keep depends on how many regions share the budgets, and the first compile happens in the first region. So for
+each graph that holds a checkpointed region the backend compiles the policy alone (no plan: the partition of
+``sacpass.backend()``, whose peak is full recompute's or less) and hands Dynamo a :class:`CountedGraph`: in the
+first training step it runs that compiled graph while :class:`FirstStep` counts the regions the step runs before
+its first backward and times the heavy ops the compiled forward calls (matrix ops, custom ops); at the first call
+after that step's backward has begun, it compiles the graph again with the plan resolved, on the fake inputs and
+under the tracing context Dynamo traced it with (a graph traced with dynamic shapes compiles for them), as Dynamo
+itself compiles a graph again when it specializes it at run time, and runs that from then on.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch.fx
 
 from .calibration import OpTimer
 
-__all__ = ["FirstStep", "DeferredGraph", "checkpoint_regions_in", "trains", "device_of"]
+__all__ = ["FirstStep", "CountedGraph", "checkpoint_regions_in", "trains", "device_of"]
+
 
 def checkpoint_regions_in(gm: torch.fx.GraphModule) -> int:
     """How many checkpointed regions (``tag_activation_checkpoint`` calls) a Dynamo graph runs."""
@@ -42,7 +45,7 @@ def device_of(args) -> torch.device:
 
 class FirstStep:
     """The first training step of one backend's model plan: the regions it ran before its first backward began,
-    the device they ran on and the heavy ops' times (:class:`~sacpass.calibration.OpTimer`)."""
+    the device they ran on and the heavy forward ops' times (:class:`~sacpass.calibration.OpTimer`)."""
 
     def __init__(self):
         self.regions = 0
@@ -55,15 +58,16 @@ class FirstStep:
     def done(self) -> bool:
         return self.backward_began
 
-    def run(self, gm: torch.fx.GraphModule, args) -> Any:
-        """Run ``gm`` uncompiled on ``args``, counting its regions and timing its heavy ops."""
+    def run(self, compiled: Callable[..., Any], args, regions: int) -> Any:
+        """Run a graph of ``regions`` checkpointed regions (``compiled``: its compile without the plan) on
+        ``args``, counting them and timing its heavy ops."""
         from torch.utils._pytree import tree_leaves
 
         with self.timer:
-            out = gm(*args)
+            out = compiled(*args)
         if torch.is_grad_enabled():
             with self._lock:
-                self.regions += checkpoint_regions_in(gm)
+                self.regions += regions
                 self.device = self.device or device_of(args)
             grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if grads:
@@ -77,16 +81,15 @@ class FirstStep:
         return self.timer.seconds()
 
 
-class DeferredGraph:
+class CountedGraph:
     """What the backend gives Dynamo for a graph that holds a checkpointed region while the plan counts: the
-    graph run by :meth:`FirstStep.run` until the first step's backward has begun, then ``compile(inputs)`` (the
-    backend's compile, with the plan resolved) once, on the fake inputs Dynamo traced it with and under the
-    tracing context it traced it in (its fake mode and shape environment: a graph traced with dynamic shapes
-    compiles for them), as Dynamo itself compiles a graph it specializes at run time."""
+    graph compiled without the plan (``measuring``), run by :meth:`FirstStep.run` until the first step's
+    backward has begun, then ``compile(inputs)`` (the backend's compile, with the plan resolved) once."""
 
-    def __init__(self, gm: torch.fx.GraphModule, first: FirstStep,
+    def __init__(self, gm: torch.fx.GraphModule, measuring: Callable[..., Any], first: FirstStep,
                  compile: Callable[[list], Callable[..., Any]]):
-        self.gm, self.first, self._compile = gm, first, compile
+        self.gm, self.measuring, self.first, self._compile = gm, measuring, first, compile
+        self.regions = checkpoint_regions_in(gm)
         self.tracing = torch._guards.TracingContext.try_get()
         self.compiled: Callable[..., Any] | None = None
         self._lock = threading.Lock()
@@ -100,7 +103,7 @@ class DeferredGraph:
     def __call__(self, *args):
         if self.compiled is None:
             if not self.first.done:
-                return self.first.run(self.gm, args)
+                return self.first.run(self.measuring, args, self.regions)
             with self._lock:
                 if self.compiled is None:
                     scope = torch._guards.tracing(self.tracing) if self.tracing is not None else contextlib.nullcontext()

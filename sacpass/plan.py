@@ -152,9 +152,10 @@ class ModelPlan:
       so its host pool grows no larger than the later steps need.
 
     layers:    checkpointed regions (decoder layers) one step runs; regions past it go to the host. None (the
-               default): counted in the first training step, which then runs uncompiled (the graphs that hold a
-               checkpointed region run eagerly, as full recompute) while the plan counts the regions and times
-               the heavy ops (matrix ops, custom ops) at their shapes; the graphs compile at the second step.
+               default): counted in the first training step, whose graphs are compiled without the plan (the
+               policy alone, as ``sacpass.backend()`` partitions them) while the plan counts the regions and times
+               the heavy ops (matrix ops, custom ops) at their shapes; the graphs compile with the plan at the
+               second step.
     gpu_bytes: device bytes the step keeps beyond the must-saves, all regions together. None (the default): it
                starts at 0 and follows the measured peak (see ``peak_bytes``) up to ``DEVICE_SHARE`` of the GPU's
                memory (none on the CPU).
@@ -244,7 +245,7 @@ class ModelPlan:
 
     @property
     def counts_regions(self) -> bool:
-        """Whether the plan counts the step's regions in a first, uncompiled step (``layers`` not given)."""
+        """Whether the plan counts the step's regions in a first step compiled without it (``layers`` not given)."""
         return self.layers is None
 
     @property

@@ -1,6 +1,6 @@
-"""``sacpass.ModelPlan()`` with no arguments, on the CPU: it counts the step's regions in a first, uncompiled
-step, compiles at the second with its budgets from the host and its cost model measured on the device, and
-trains as eager does throughout. Also the cost model's calibration (with injected timings), the measured op
+"""``sacpass.ModelPlan()`` with no arguments, on the CPU: it counts the step's regions in a first step compiled
+without the plan, compiles the plan at the second with its budgets from the host and its cost model measured on
+the device, and trains as eager does throughout. Also the cost model's calibration (with injected timings), the measured op
 times the planner reads, and the automatic prefetch depth."""
 from __future__ import annotations
 
@@ -53,15 +53,16 @@ def fixed_rates(monkeypatch):
     return calls
 
 
-def test_the_first_step_runs_uncompiled_and_counts_the_regions_then_the_plan_compiles(fixed_rates):
+def test_the_first_step_runs_the_policy_alone_and_counts_the_regions_then_the_plan_compiles(fixed_rates):
     ref = _step(CompiledStack("eager", LAYERS, 0), _x())
     with no_compile_caches():
         be = sacpass.backend(inner="aot_eager", plan=sacpass.ModelPlan(min_offload_bytes=0))
         model = CompiledStack(be, LAYERS, 0)
         with OpCounter(*TOY_TOPK_OPS) as first:
             grads = [_step(model, _x())]
-        assert be.reports == [] and not be.plan.resolved  # nothing compiled: the step ran as full recompute
-        assert first.backward == LAYERS  # each layer's top-k recomputed by the eager checkpoint
+        assert not be.plan.resolved and first.backward == 0  # compiled: the top-k kept, never run again
+        (measuring,) = be.reports  # the policy alone: no planner, nothing offloaded or stashed
+        assert not measuring.decisions and measuring.host_bytes == 0 and rt.stats().offloaded_bytes == 0
         for _ in range(3):
             rt.reset_stats()
             with OpCounter(*TOY_TOPK_OPS) as later:
@@ -72,9 +73,9 @@ def test_the_first_step_runs_uncompiled_and_counts_the_regions_then_the_plan_com
     assert plan.resolved and plan.layers == LAYERS and plan.gpu_bytes == 0 and plan.peak_bytes is None  # the CPU
     assert plan.host_budget() == default_host_bytes() and plan.cost.name == "injected"
     (device, measured), = fixed_rates  # calibrated once, on the device the step ran on, with its op times
-    assert device.type == "cpu" and any(sig.startswith("sacpass_toy.topk_ids") for sig in measured)
-    assert any(sig.startswith("aten.mm") or sig.startswith("aten.addmm") for sig in measured), sorted(measured)
-    assert len(be.reports) == 1 and be.reports[0].decisions  # one graph for the four layers, planned
+    assert device.type == "cpu" and any(sig.startswith("sacpass_toy::topk_ids|") for sig in measured)
+    assert any(sig.startswith(("aten::mm|", "aten::addmm|")) for sig in measured), sorted(measured)
+    assert len(be.reports) == 2 and be.reports[1].decisions  # then one planned graph for the four layers
     rows = rt.placements(plan)
     assert [r["region"] for r in rows] == list(range(LAYERS)) and all(r["host_bytes"] > 0 for r in rows)
     st = rt.stats()
@@ -137,7 +138,7 @@ def test_a_graph_traced_with_dynamic_shapes_compiles_for_them_after_the_counted_
                                           dynamic=True)
         for rows in (24, 24, 25, 30):
             assert _close(_step(model, _x(rows)), _step(eager, _x(rows))), rows
-    assert len(be.reports) == 1, [r.graph for r in be.reports]
+    assert len(be.reports) == 2, [r.graph for r in be.reports]  # counted, then planned: once for every size
     unstash = [n for r in be.results for n in r.backward.graph.nodes if n.target is torch.ops.sacpass.unstash.default]
     assert unstash and any(isinstance(a, torch.fx.Node) for n in unstash for a in n.args[1])  # symbolic sizes
 
@@ -169,10 +170,10 @@ def test_calibration_rates_are_each_benchmark_s_work_over_its_measured_time(tmp_
 def test_measured_op_times_already_stored_win_so_a_restart_keys_alike(tmp_path):
     store = CalibrationStore(str(tmp_path))
     timer = lambda name, fn: 0.01  # noqa: E731
-    first = calibrate("cpu", timer=timer, store=store, op_seconds={"aten.mm.default|x": 1.0})
-    second = calibrate("cpu", timer=timer, store=store, op_seconds={"aten.mm.default|x": 2.0, "aten.bmm|y": 3.0})
-    assert first.measured("aten.mm.default|x") == 1.0
-    assert second.measured("aten.mm.default|x") == 1.0 and second.measured("aten.bmm|y") == 3.0
+    first = calibrate("cpu", timer=timer, store=store, op_seconds={"aten::mm|x": 1.0})
+    second = calibrate("cpu", timer=timer, store=store, op_seconds={"aten::mm|x": 2.0, "aten::bmm|y": 3.0})
+    assert first.measured("aten::mm|x") == 1.0
+    assert second.measured("aten::mm|x") == 1.0 and second.measured("aten::bmm|y") == 3.0
     assert calibrate("cpu", timer=timer, store=None, op_seconds={"a": 4.0}).measured("a") == 4.0
 
 
@@ -185,7 +186,8 @@ def test_the_op_timer_times_heavy_ops_by_signature_and_the_planner_reads_them():
         a.add(1.0)  # light: not timed
     times = timer.seconds()
     sig = op_signature(torch.ops.aten.mm.default, (a, b))
-    assert list(times) == [sig] == ["aten.mm.default|float32[8, 16];float32[16, 4]"] and times[sig] > 0
+    assert list(times) == [sig] == ["aten::mm|float32[8, 16];float32[16, 4]"] and times[sig] > 0
+    assert op_signature(torch.ops.aten.mm.out, (a, b), {"out": torch.empty(8, 4)}) == sig  # as compiled code calls it
 
     gm = torch.fx.symbolic_trace(lambda x, y: torch.mm(x, y))
     graph = torch.fx.Graph()

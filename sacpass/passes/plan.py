@@ -77,8 +77,8 @@ def node_seconds(node: torch.fx.Node, cost: CostModel) -> float:
     if op is None or is_view(node) or is_getitem(node):
         return 0.0
     if cost.op_seconds:  # measured at these shapes on this device
-        values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        measured = cost.measured(op_signature(op, values))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        measured = cost.measured(op_signature(op, args, kwargs))
         if measured is not None:
             return measured
     from torch.utils.flop_counter import flop_registry
