@@ -201,20 +201,23 @@ def _attention_decisions(exact):
     with no_compile_caches():
         be = sacpass.backend(inner="aot_eager", plan=plan)
         torch.compile(layer, backend=be, fullgraph=True)(torch.randn(96, 64, requires_grad=True)).sum().backward()
-    return {d.op.split(".")[0]: d for d in be.reports[0].decisions if d.op != "input"}
+    return [d for d in be.reports[0].decisions if d.op != "input"]
 
 
 def test_by_default_a_value_the_backward_sums_times_its_gradient_goes_unpacked():
-    """The softmax output (its backward takes sum(y * dy) per row) stays exact; the projections' outputs, read
-    by matrix multiplies, go packed. exact=() packs them all."""
+    """The softmax output's backward takes sum(y * dy) per row; the plan keeps the attention scores (q @ k.T),
+    from which the backward recomputes it, exact. The projections' outputs, read by matrix multiplies, go packed.
+    exact=() packs them all."""
     default = _attention_decisions(None)
-    soft = default["aten::_softmax"]
-    assert soft.action == "offload" and soft.exact.startswith("sensitive: aten::_softmax_backward_data"), soft
-    assert soft.why.endswith("on the host unpacked (aten::_softmax_backward_data reads it with its gradient)")
-    assert all("FP8-packed" in d.why for op, d in default.items() if op != "aten::_softmax" and d.action == "offload")
-    assert any("FP8-packed" in d.why for d in default.values())
+    (scores,) = [d for d in default if d.exact]
+    assert scores.op == "aten::mm.default" and scores.bytes == 96 * 96 * 4 and scores.action == "offload"
+    assert scores.exact == "sensitive: aten::_softmax_backward_data reads it with its gradient", scores
+    assert scores.why.endswith("on the host unpacked (aten::_softmax_backward_data reads it with its gradient)")
+    packed = [d for d in default if not d.exact and d.action == "offload"]
+    assert packed and all("FP8-packed" in d.why for d in packed)
     everything = _attention_decisions(())
-    assert not any(d.exact for d in everything.values()) and "FP8-packed" in everything["aten::_softmax"].why
+    assert not any(d.exact for d in everything) and all("FP8-packed" in d.why for d in everything
+                                                         if d.action == "offload")
 
 
 def test_the_glm_attention_output_stays_exact_by_default_and_the_gradients_are_closer():

@@ -36,6 +36,7 @@ def _close(a, b):
 @pytest.fixture(autouse=True)
 def _clean():
     rt.release_host_memory()
+    rt.reset_stats()
     process_runtime().plans.clear()
     yield
     rt.release_host_memory()

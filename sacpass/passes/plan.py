@@ -112,6 +112,7 @@ class _Candidate:
     nbytes: int
     seconds: float = 0.0
     form: list[torch.fx.Node] | None = None  # what is kept in its place: its smaller exact form (see _smallest_exact_form)
+    reads: tuple[torch.fx.Node, ...] = ()  # the forward values the backward reads that lead back to it
 
 
 def _in_region(node: torch.fx.Node) -> bool:
@@ -168,7 +169,8 @@ def _candidates(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> dict[tor
         if any(v.meta.get("recompute") is not CheckpointPolicy.PREFER_RECOMPUTE for v in values):
             continue
         vals = sorted(values, key=lambda v: v.name)
-        cand = _Candidate(producer, vals, sum(_tensor_bytes(v.meta.get("val")) for v in vals))
+        cand = _Candidate(producer, vals, sum(_tensor_bytes(v.meta.get("val")) for v in vals),
+                          reads=tuple(sorted(reads[producer], key=lambda n: n.name)))
         cand.form = _smallest_exact_form(cand, reads[producer])
         if cand.form is not None:
             cand.nbytes = sum(_tensor_bytes(f.meta.get("val")) for f in cand.form)
@@ -235,9 +237,11 @@ _SUMS_VALUE_TIMES_GRADIENT = ("aten::_softmax_backward_data", "aten::_log_softma
 def _sensitive(cand: _Candidate, grads: set[torch.fx.Node]) -> str:
     """Why the backward is sensitive to ``cand``'s values, or "": where it sums a value times its own gradient
     (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``), a difference of near-equal terms that a
-    lossy copy of the value disturbs most. Seen as: a custom op or a softmax backward that reads the value with a
-    gradient of the value's shape, or a ``mul`` of the two that a ``sum`` over a dimension reduces."""
-    for value in cand.form if cand.form is not None else cand.outputs:
+    lossy copy of the value disturbs most. Seen as: a custom op or a softmax backward that reads the value, or
+    one the backward recomputes from it (its reads), with a gradient of the value's shape; or a ``mul`` of the two
+    that a ``sum`` over a dimension reduces."""
+    kept = cand.form if cand.form is not None else cand.outputs
+    for value in dict.fromkeys([*kept, *cand.reads]):
         val = value.meta.get("val")
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             continue
