@@ -127,7 +127,8 @@ class BreakingModel(nn.Module):
         x = self.embed(x)
         for layer in self.layers:
             kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
-            x = checkpoint(functools.partial(layer.__call__), x, use_reentrant=False, **kw)
+            # transformers' GradientCheckpointingLayer form (modeling_layers.py)
+            x = checkpoint(functools.partial(type(layer).forward, layer), x, use_reentrant=False, **kw)
         return x.tanh()
 
 
@@ -185,7 +186,8 @@ def test_strict_error_names_the_eager_region():
     model.extra = ToyLayer(dim=16)  # a region that does compile, where the selector is checked
 
     def forward(t):
-        h = checkpoint(functools.partial(model.layers[0].__call__), model.embed(t), use_reentrant=False)
+        layer = model.layers[0]
+        h = checkpoint(functools.partial(type(layer).forward, layer), model.embed(t), use_reentrant=False)
         return model.extra(h)
 
     be = sacpass.backend(inner="aot_eager", save=["aten::topk"])
