@@ -49,7 +49,7 @@ class KeptValue:
     dtype: str
     shape: tuple[int, ...]
     bytes: int
-    reason: str  # must-save | discrete | offload
+    reason: str  # must-save | discrete | decision values | offload
 
 
 @dataclass(eq=False)
@@ -140,8 +140,10 @@ class _Entry:
 
 def _keep(spec: ContextSpec, op, entry_value, reason: str) -> None:
     for t in tensors_in(entry_value):
+        # a decision kept whole (a custom op's): its floating outputs are values no index rebuilds
+        why = "decision values" if reason == "discrete" and t.dtype.is_floating_point else reason
         spec.kept.append(KeptValue(f"{op._schema.name}.{op._overloadname or 'default'}", dtype_text(t.dtype),
-                                   tuple(t.shape), t.numel() * t.element_size(), reason))
+                                   tuple(t.shape), t.numel() * t.element_size(), why))
 
 
 def _narrow(idx: torch.Tensor, limit: int) -> torch.Tensor:

@@ -209,7 +209,7 @@ def test_a_custom_decisions_float_outputs_are_kept_as_what_they_are():
     class Pair(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = nn.Linear(16, 16)
+            self.w, self.context_fn = nn.Linear(16, 16), None
 
         def body(self, x):
             h = self.w(x)
@@ -217,7 +217,8 @@ def test_a_custom_decisions_float_outputs_are_kept_as_what_they_are():
             return h * vals.softmax(-1).sum(-1, keepdim=True) + torch.gather(h, -1, ids.long()).mean()
 
         def forward(self, x):
-            return checkpoint(self.body, x, use_reentrant=False)
+            kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+            return checkpoint(self.body, x, use_reentrant=False, **kw)
 
     torch.manual_seed(0)
     model, x = Pair(), torch.randn(12, 16)
@@ -234,6 +235,9 @@ def test_a_custom_decisions_float_outputs_are_kept_as_what_they_are():
         s.reason == "discrete" and s.dtype.startswith("float") for s in rep.saved)
     why = [t["selector"] for t in rep.tagged if t["reason"] == "decision values"]
     assert why and all("cannot rebuild" in w for w in why), why
+    model.context_fn = be.context_fn()  # in eager, the same
+    _, grads_x, calls = _step(model, x)
+    assert calls.backward == 0 and sorted((k.dtype, k.reason) for k in model.context_fn.spec.kept) == rows
 
 
 # ------------------------------------------------------------------------------------------ the hazard
