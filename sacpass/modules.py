@@ -1,13 +1,15 @@
-"""Modules at run time: which are being called now, and where a module sits in the model that holds it.
+"""Modules at run time: which are running now, and where a module sits in the model that holds it.
 
-Read off the Python call stack (the ``Module._call_impl`` frames) and the modules' own children: no hooks,
-nothing installed globally. The outermost module being called is the root every path here is relative to.
-Wrappers that are not part of the user's model are looked through: a ``torch.compile``'d module
-(``OptimizedModule``) stands for the module it compiles, and its ``_orig_mod`` never appears in a path.
+Read off the Python call stack (``Module._call_impl`` frames, and ``forward`` frames of a module) and the
+modules' own children: no hooks, nothing installed globally. The outermost module running is the root every
+path here is relative to. Wrappers that are not part of the user's model are looked through: a
+``torch.compile``'d module (``OptimizedModule``) stands for the module it compiles, and its ``_orig_mod`` never
+appears in a path.
 """
 from __future__ import annotations
 
 import sys
+from types import CodeType
 from typing import Iterator
 
 import torch
@@ -40,11 +42,18 @@ def path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
     return next((path for path, m in named_modules(root) if m is module), None)
 
 
+def _runs_a_module(code: CodeType) -> bool:
+    """A frame that runs a module: its ``__call__`` (``Module._call_impl``), or a ``forward`` called directly
+    (a checkpoint of ``partial(Layer.forward, layer)`` never enters ``layer.__call__``)."""
+    return code is torch.nn.Module._call_impl.__code__ or code.co_name == "forward"
+
+
 def running_modules() -> list[tuple[str, torch.nn.Module]]:
-    """[(path relative to the outermost module being called, module)] of the modules being called now,
-    outermost first. A module called through a compile wrapper appears once, as itself."""
+    """[(path relative to the outermost module being called, module)] of the modules running now (called, or
+    their ``forward`` run directly), outermost first. A module called through a compile wrapper appears once,
+    as itself."""
     mods: list[torch.nn.Module] = []
-    for m in locals_of(torch.nn.Module._call_impl.__code__, "self"):
+    for m in locals_of(_runs_a_module, "self"):
         if isinstance(m, torch.nn.Module) and not _is_compile_wrapper(m) and (not mods or mods[-1] is not m):
             mods.append(m)
     out: list[tuple[str, torch.nn.Module]] = []

@@ -168,6 +168,19 @@ def test_context_fixes_the_regions_that_run_eagerly():
     assert_close_lists(grads_c, grads_e, rtol=1e-5, atol=1e-6)
 
 
+def test_module_scoped_selectors_see_the_models_paths_in_a_region_run_eagerly():
+    """A compiled model's layers that run eagerly have the paths they have in the model (``layers.0``), not
+    the compile wrapper's (``_orig_mod.layers.0``): a module-scoped selector of context_fn matches there."""
+    torch.manual_seed(0)
+    model, x = BreakingModel(), torch.randn(8, 16)
+    model.context_fn = sacpass.context_fn(save=["layers.*::aten::topk"], save_discrete=False)
+    be = sacpass.backend(inner="aot_eager", save=["layers.*::aten::topk"], save_discrete=False, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, calls = _step(torch.compile(model, backend=be), model, x)
+    assert calls.count("backward", "aten::topk") == 0, calls.counts
+
+
 def test_no_warning_for_a_region_that_compiled():
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
