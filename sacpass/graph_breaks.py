@@ -13,7 +13,7 @@ listens on that one logger (a handler that stops it from propagating, so nothing
 ``TORCH_LOGS`` asked for it). For a region of a sacpass compile it finds the module the region checkpoints,
 whatever the checkpoint was given (the module, a bound method, transformers' ``partial(forward, layer, **kw)``,
 ``partial(layer.__call__)``, a lambda over the module, ``checkpoint_wrapper``'s child), and its full path: relative
-to the outermost module being called, so that a layer compiled on its own is named by its place in the model.
+to the outermost module running, so that a layer compiled on its own is named by its place in the model.
 Dynamo compiles a frame once for every module of its owner's class, so one graph break there is one region
 per such module (each layer of a model). It warns once per region and context when the backend's policy does
 not hold there (one warning for the regions of one graph break); when it holds, it logs one line at INFO on
@@ -50,8 +50,7 @@ NO_CONTEXT, SAME_POLICY, OTHER_POLICY, FOREIGN = "none", "sacpass", "other-polic
 class EagerRegion:
     """A checkpointed region Dynamo ran eagerly."""
 
-    module: str  # "path (Class)" of the checkpointed module, the path relative to the outermost module called
-    # ('' unknown)
+    module: str  # "path (Class)" of the checkpointed module, from the outermost module running ('' unknown)
     call_site: str  # "file.py:line" of the checkpoint call ('' unknown)
     break_site: str  # "file.py:line" of the graph break inside the body
     reason: str  # Dynamo's reason, its first lines
@@ -104,8 +103,8 @@ def hint() -> str:
     regions = [r for r in _REGIONS.values() if not r.holds]
     if not regions:
         return ""
-    return (" Note: " + "; ".join(describe_regions(g) for g in _by_site(regions)) + ". Ops in such a region never reach a "
-            "sacpass graph: fix the graph break (fullgraph=True points at it) or pass "
+    return (" Note: " + "; ".join(describe_regions(g) for g in _by_site(regions)) + ". Ops in such a region "
+            "never reach a sacpass graph: fix the graph break (fullgraph=True points at it) or pass "
             "context_fn=backend.context_fn() to that checkpoint.")
 
 
@@ -238,10 +237,10 @@ def _compiled_roots() -> list[torch.nn.Module]:
 
 def _region_modules(module: torch.nn.Module | None) -> list[str]:
     """The labels (``path (Class)``) of the modules a region runs eagerly in, paths relative to the outermost
-    module being called (a layer compiled on its own is named by its place in the model).
+    module running (a layer compiled on its own is named by its place in the model).
 
-    The frame Dynamo compiles runs inside the call of the innermost module being called (the owner: a layer
-    compiled on its own, a wrapper module, the model). Dynamo compiles that frame once for every module of
+    The frame Dynamo compiles runs inside the innermost module running (the owner: a layer compiled on its
+    own, a wrapper module, the model). Dynamo compiles that frame once for every module of
     the owner's class, so the region runs eagerly in each of them: one label per module of that class in the
     model, the checkpointed module at the same place under each."""
     if module is None:

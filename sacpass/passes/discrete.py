@@ -6,10 +6,11 @@ Ensures, for each such ATen selection op (topk, sort, max/min/kthvalue/mode/medi
 cummin) that also returns the selected *values*:
 
 - every use of the values is rewired to ``gather(input, dim, indices)``, a forward node with the op's
-  original checkpoint tag. Values that carry no gradient (a group score that only feeds another decision)
-  leave the joint graph without a getitem of the indices: one is made, tagged as the decision's outputs are. The values equal the op's own (the same elements), the backward rebuilds them
+  original checkpoint tag. The values equal the op's own (the same elements), the backward rebuilds them
   from the recomputed input and the saved indices, and gradients flow through the gather as before; the
-  float values themselves are never saved;
+  float values themselves are never saved. Values that carry no gradient (a group score that only feeds
+  another decision) leave the joint graph without a getitem of the indices: one is made, tagged as the
+  decision's outputs are;
 - an int64 index output is saved as int32 (``convert_element_type``, ``MUST_SAVE``) and widened again where it
   is used (``MUST_RECOMPUTE``), so the backward loads half the bytes. Indices along a dim of 2**31 or more
   elements are left int64.
