@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from .errors import SacpassError, warn
-from .frames import locals_of
+from .modules import running_modules
 from .nodes import clean_module_path, dtype_text
 from .policies import Policy
 from .selectors import (INT32_LIMIT, VALUE_INDEX_OPS, DiscreteSelector, ModuleOpSelector, PredicateSelector,
@@ -49,7 +49,7 @@ class KeptValue:
     dtype: str
     shape: tuple[int, ...]
     bytes: int
-    reason: str  # must-save | discrete | offload
+    reason: str  # must-save | discrete | decision values | offload
 
 
 @dataclass(eq=False)
@@ -69,22 +69,8 @@ _SPECS: dict[str, ContextSpec] = {}
 
 # --------------------------------------------------------------------------------------- module paths
 def _eager_modules() -> list[tuple[str, str]]:
-    """[(path relative to the outermost module being called, class name)] of the modules running now, read
-    off the Python call stack (``Module._call_impl`` frames): no hooks, nothing installed globally."""
-    mods: list[torch.nn.Module] = []
-    for m in locals_of(torch.nn.Module._call_impl.__code__, "self"):
-        if isinstance(m, torch.nn.Module) and (not mods or mods[-1] is not m):
-            mods.append(m)
-    out, path = [], ""
-    for i, m in enumerate(mods):
-        if i > 0:
-            name = next((n for n, c in mods[i - 1].named_children() if c is m), None)
-            if name is None:  # not a direct child (a shared module): its path from the root
-                path = next((n for n, c in mods[0].named_modules() if c is m), type(m).__name__)
-            else:
-                path = f"{path}.{name}" if path else name
-        out.append((path, type(m).__name__))
-    return out
+    """[(path relative to the outermost module being called, class name)] of the modules running now."""
+    return [(path, type(m).__name__) for path, m in running_modules()]
 
 
 def _traced_modules() -> list[tuple[str, str]]:
@@ -154,8 +140,10 @@ class _Entry:
 
 def _keep(spec: ContextSpec, op, entry_value, reason: str) -> None:
     for t in tensors_in(entry_value):
+        # a decision kept whole (a custom op's): its floating outputs are values no index rebuilds
+        why = "decision values" if reason == "discrete" and t.dtype.is_floating_point else reason
         spec.kept.append(KeptValue(f"{op._schema.name}.{op._overloadname or 'default'}", dtype_text(t.dtype),
-                                   tuple(t.shape), t.numel() * t.element_size(), reason))
+                                   tuple(t.shape), t.numel() * t.element_size(), why))
 
 
 def _index_as_int32(idx: torch.Tensor, limit: int) -> torch.Tensor:

@@ -39,10 +39,10 @@ def running(file: str, names: tuple[str, ...]) -> bool:
     return any(f.f_code.co_filename == file and f.f_code.co_name in names for f in _outward(sys._getframe(1)))
 
 
-def locals_of(code: CodeType, name: str) -> list[Any]:
-    """The local ``name`` of every frame of the caller's stack that runs ``code``, outermost first (a frame
-    without that local gives None)."""
-    return [f.f_locals.get(name) for f in _outward(sys._getframe(1)) if f.f_code is code][::-1]
+def locals_of(runs: Callable[[CodeType], bool], name: str) -> list[Any]:
+    """The local ``name`` of every frame of the caller's stack whose code ``runs`` accepts, outermost first (a
+    frame without that local gives None)."""
+    return [f.f_locals.get(name) for f in _outward(sys._getframe(1)) if runs(f.f_code)][::-1]
 
 
 def traceback_locals(tb: TracebackType | None) -> list[dict[str, Any]]:

@@ -10,10 +10,15 @@ Dynamo reports each graph break on its ``graph_breaks`` log while the exception 
 handled; Dynamo tags an exception raised while tracing a checkpoint body with the checkpoint's name, and the
 checkpoint's tracing frame holds the checkpointed function and the ``context_fn`` it was given. sacpass
 listens on that one logger (a handler that stops it from propagating, so nothing extra is printed unless
-``TORCH_LOGS`` asked for it). For a region of a sacpass compile it finds the module the region checkpoints
-(its path relative to the compiled module) and the context, and warns once per region and context when the
-backend's policy does not hold there; when it holds, it logs one line at INFO on the ``sacpass`` logger.
-Nothing here reads a source file: code without one (``python -c``, ``exec``) is covered the same way.
+``TORCH_LOGS`` asked for it). For a region of a sacpass compile it finds the module the region checkpoints,
+whatever the checkpoint was given (the module, a bound method, transformers' ``partial(forward, layer, **kw)``,
+``partial(layer.__call__)``, a lambda over the module, ``checkpoint_wrapper``'s child), and its full path: relative
+to the outermost module running, so that a layer compiled on its own is named by its place in the model.
+Dynamo compiles a frame once for every module of its owner's class, so one graph break there is one region
+per such module (each layer of a model). It warns once per region and context when the backend's policy does
+not hold there (one warning for the regions of one graph break); when it holds, it logs one line at INFO on
+the ``sacpass`` logger. Nothing here reads a source file: code without one (``python -c``, ``exec``) is
+covered the same way.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import torch
 
 from .errors import warn
 from .frames import innermost_frame, site, traceback_locals
+from .modules import named_modules, path_in, running_modules
 
 __all__ = ["EagerRegion", "watch", "eager_regions", "hint"]
 
@@ -44,7 +50,7 @@ NO_CONTEXT, SAME_POLICY, OTHER_POLICY, FOREIGN = "none", "sacpass", "other-polic
 class EagerRegion:
     """A checkpointed region Dynamo ran eagerly."""
 
-    module: str  # path of the checkpointed module relative to the compiled module, with its class ('' unknown)
+    module: str  # "path (Class)" of the checkpointed module, from the outermost module running ('' unknown)
     call_site: str  # "file.py:line" of the checkpoint call ('' unknown)
     break_site: str  # "file.py:line" of the graph break inside the body
     reason: str  # Dynamo's reason, its first lines
@@ -57,12 +63,30 @@ class EagerRegion:
         return self.context == SAME_POLICY
 
     def name(self) -> str:
-        where = f"called at {self.call_site}" if self.call_site else "of unknown call site"
-        return f"{self.module} ({where})" if self.module else where
+        return f"{self.module} ({self._where()})" if self.module else self._where()
+
+    def _where(self) -> str:
+        return f"called at {self.call_site}" if self.call_site else "of unknown call site"
 
     def describe(self) -> str:
-        return (f"the checkpointed region {self.name()} runs eagerly: Dynamo could not trace its body "
-                f"(graph break at {self.break_site or 'an unknown line'}: {self.reason})")
+        return describe_regions([self])
+
+
+def describe_regions(regions: list[EagerRegion]) -> str:
+    """One sentence for the regions one graph break makes run eagerly (one region, or the modules that share
+    the frame Dynamo compiled)."""
+    first = regions[0]
+    if len(regions) == 1:
+        head = f"the checkpointed region {first.name()} runs eagerly: Dynamo could not trace its body"
+    else:
+        names = [r.module or "?" for r in regions[:_SHOWN]]
+        names += [f"{len(regions) - _SHOWN} more"] if len(regions) > _SHOWN else []
+        head = (f"the checkpointed regions {', '.join(names)} ({first._where()}) run eagerly: Dynamo could not "
+                f"trace their body, in the frame it compiled once for all of them")
+    return f"{head} (graph break at {first.break_site or 'an unknown line'}: {first.reason})"
+
+
+_SHOWN = 8  # module paths a message names before it counts the rest
 
 
 _REGIONS: dict[tuple[str, str, str, str], EagerRegion] = {}
@@ -79,9 +103,17 @@ def hint() -> str:
     regions = [r for r in _REGIONS.values() if not r.holds]
     if not regions:
         return ""
-    return (" Note: " + "; ".join(r.describe() for r in regions) + ". Ops in such a region never reach a "
-            "sacpass graph: fix the graph break (fullgraph=True points at it) or pass "
+    return (" Note: " + "; ".join(describe_regions(g) for g in _by_site(regions)) + ". Ops in such a region "
+            "never reach a sacpass graph: fix the graph break (fullgraph=True points at it) or pass "
             "context_fn=backend.context_fn() to that checkpoint.")
+
+
+def _by_site(regions: list[EagerRegion]) -> list[list[EagerRegion]]:
+    """Regions grouped by checkpoint call site and graph break, in order."""
+    groups: dict[tuple[str, str, str], list[EagerRegion]] = {}
+    for r in regions:
+        groups.setdefault((r.call_site, r.break_site, r.reason), []).append(r)
+    return list(groups.values())
 
 
 # ------------------------------------------------------------------------------------- the message
@@ -129,32 +161,112 @@ def checkpoint_call(exc: BaseException | None) -> dict[str, Any] | None:
     return None
 
 
-def _checkpointed_module(body: Any) -> torch.nn.Module | None:
-    """The module a checkpointed function belongs to: the module itself, a bound method of it, or a
-    ``functools.partial`` of either (as Dynamo tracks them: a bound method's object is ``obj`` up to torch
-    2.14, ``im_self`` from 2.15)."""
-    for _ in range(6):
-        if body is None:
-            return None
-        if hasattr(body, "realize"):
-            body = body.realize()
-        value = getattr(body, "value", None)
-        if isinstance(value, torch.nn.Module):
-            return value
-        body = getattr(body, "obj", None) or getattr(body, "im_self", None) or getattr(body, "func", None)
+def _python_refs(obj: Any) -> list[Any]:
+    """What a plain Python callable runs on: a bound method's object, a partial's function and first argument,
+    the contents of a function's closure."""
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args[:1]]
+    if getattr(obj, "__self__", None) is not None:
+        return [obj.__self__]
+    cells = getattr(obj, "__closure__", None) or ()
+    out = []
+    for cell in cells:
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return out
+
+
+def _traced_refs(var: Any, tx: Any) -> list[Any]:
+    """What a callable Dynamo tracks runs on: a bound method's object (``obj`` up to torch 2.14, ``im_self``
+    from 2.15), a ``functools.partial``'s function and first argument, the cells of a function made while
+    tracing (a lambda, a nested function), the Python function behind a tracked one."""
+    refs = [getattr(var, name, None) for name in ("obj", "im_self", "func")]
+    args = getattr(var, "args", None)
+    refs += list(args[:1]) if isinstance(args, (list, tuple)) else []
+    closure = getattr(getattr(var, "closure", None), "items", None) or []
+    side_effects = getattr(getattr(tx, "output", None), "side_effects", None)
+    for cell in closure:
+        try:
+            refs.append(side_effects.load_cell(cell))
+        except Exception:  # an empty cell, or a Dynamo whose cells read otherwise
+            continue
+    fn = getattr(var, "fn", None)
+    refs += _python_refs(fn) if fn is not None else []
+    return [r for r in refs if r is not None]
+
+
+def _as_module(x: Any) -> torch.nn.Module | None:
+    if isinstance(x, torch.nn.Module):
+        return x
+    value = getattr(x, "value", None)  # a tracked module's object
+    return value if isinstance(value, torch.nn.Module) else None
+
+
+def _checkpointed_module(body: Any, tx: Any = None) -> torch.nn.Module | None:
+    """The module a checkpointed function runs: the module itself, a bound method of it, a
+    ``functools.partial`` of either or of a function given the module as its first argument (transformers'
+    ``partial(forward, layer, **kw)``), a lambda or nested function over one module; searched nearest first.
+    None when none is found, or when one level refers to two modules (which one is ambiguous)."""
+    level = [body]
+    for _ in range(4):
+        level = [x.realize() if hasattr(x, "realize") else x for x in level]
+        found = {id(m): m for m in map(_as_module, level) if m is not None}
+        if found:
+            return next(iter(found.values())) if len(found) == 1 else None
+        level = [r for x in level for r in _refs(x, tx)]
     return None
 
 
-def _module_label(module: torch.nn.Module | None) -> str:
-    """``path (Class)`` of a module relative to the module being compiled."""
-    if module is None:
-        return ""
+def _refs(x: Any, tx: Any) -> list[Any]:
+    from torch._dynamo.variables.base import VariableTracker
+
+    return _traced_refs(x, tx) if isinstance(x, VariableTracker) else _python_refs(x)
+
+
+def _label(path: str, module: torch.nn.Module) -> str:
+    return f"{path} ({type(module).__name__})" if path else type(module).__name__
+
+
+def _compiled_roots() -> list[torch.nn.Module]:
     from .passes.module_paths import compiled_frame_scopes
 
-    roots = [v for v in compiled_frame_scopes().get("L", {}).values() if isinstance(v, torch.nn.Module)]
-    path = next((name for root in roots for name, m in root.named_modules() if m is module), None)
-    cls = type(module).__name__
-    return f"{path} ({cls})" if path else cls
+    return [v for v in compiled_frame_scopes().get("L", {}).values() if isinstance(v, torch.nn.Module)]
+
+
+def _region_modules(module: torch.nn.Module | None) -> list[str]:
+    """The labels (``path (Class)``) of the modules a region runs eagerly in, paths relative to the outermost
+    module running (a layer compiled on its own is named by its place in the model).
+
+    The frame Dynamo compiles runs inside the innermost module running (the owner: a layer compiled on its
+    own, a wrapper module, the model). Dynamo compiles that frame once for every module of
+    the owner's class, so the region runs eagerly in each of them: one label per module of that class in the
+    model, the checkpointed module at the same place under each."""
+    if module is None:
+        return [""]
+    running = running_modules()
+    if not running:  # a compiled function, called outside any module: paths from the frame's own modules
+        path = next((p for p in (path_in(r, module) for r in _compiled_roots()) if p is not None), "")
+        return [_label(path, module)]
+    root, owner = running[0][1], running[-1][1]
+    path = path_in(root, module)
+    below = path_in(owner, module)
+    if path is None or below is None:  # not inside the owner: that module alone
+        return [_label(path or "", module)]
+    labels = []
+    for shared_path, shared in named_modules(root):
+        inner = _submodule(shared, below) if type(shared) is type(owner) else None
+        if inner is not None:
+            labels.append(_label(".".join(x for x in (shared_path, below) if x), inner))
+    return labels
+
+
+def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:  # a module of the owner's class built without that child
+        return None
 
 
 def _call_site(f_locals: dict[str, Any]) -> str:
@@ -195,19 +307,20 @@ def _sacpass_backend():
     return False, None
 
 
-def region_of(message: str, exc: BaseException | None) -> EagerRegion | None:
-    """The region a graph break of a sacpass compile speaks of, or None when it is not in a checkpoint body
-    or the compile is not sacpass's."""
+def regions_of(message: str, exc: BaseException | None) -> list[EagerRegion]:
+    """The regions a graph break of a sacpass compile makes run eagerly (one per module that runs the compiled
+    frame; see ``_region_modules``), or [] when it is not in a checkpoint body or the compile is not sacpass's."""
     call = checkpoint_call(exc)
     if call is None:
-        return None
+        return []
     ours, policy = _sacpass_backend()
     if not ours:
-        return None
+        return []
     context, applied = _context_of(call.get("context_fn"), policy)
-    args = call.get("args") or [None]
-    return EagerRegion(_module_label(_checkpointed_module(args[0])), _call_site(call), _break_site(message),
-                       _reason(message), context, applied)
+    body = (call.get("args") or [None])[0]
+    site, broke, reason = _call_site(call), _break_site(message), _reason(message)
+    return [EagerRegion(label, site, broke, reason, context, applied)
+            for label in _region_modules(_checkpointed_module(body, call.get("tx")))]
 
 
 # ------------------------------------------------------------------------------------- reporting
@@ -224,25 +337,29 @@ def _advice(region: EagerRegion) -> str:
             "policy holds in eager too.")
 
 
-def _report(region: EagerRegion) -> None:
-    key = (region.module, region.call_site, region.context, region.context_policy)
-    if key in _REGIONS:
+def _report(regions: list[EagerRegion]) -> None:
+    """Record the regions not seen before; one warning (or INFO line, where the policy holds) for them."""
+    new = []
+    for region in regions:
+        key = (region.module, region.call_site, region.context, region.context_policy)
+        if key not in _REGIONS:
+            _REGIONS[key] = region
+            new.append(region)
+    if not new:
         return
-    _REGIONS[key] = region
-    if region.holds:
-        _log.info("sacpass: %s; its context_fn applies the backend's policy there.", region.describe())
+    if new[0].holds:  # one graph break: one context for all of them
+        _log.info("sacpass: %s; its context_fn applies the backend's policy there.", describe_regions(new))
         return
-    warn(f"sacpass: {region.describe()}. {_advice(region)}")
+    warn(f"sacpass: {describe_regions(new)}. {_advice(new[0])}")
 
 
 class _Handler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            region = region_of(record.getMessage(), sys.exc_info()[1])
+            regions = regions_of(record.getMessage(), sys.exc_info()[1])
         except Exception:  # a log handler must never break the compile
             return
-        if region is not None:
-            _report(region)
+        _report(regions)
 
 
 def watch() -> None:

@@ -25,13 +25,15 @@ REPORT_VERSION = 2
 # why a tensor is saved (SavedTensor.reason)
 MUST_SAVE = "must-save"  # a sacpass selector: explicit save=, register_must_save, collectives
 DISCRETE = "discrete"  # a discrete decision kept by default (save_discrete=True)
+# a decision's floating outputs that its integer outputs cannot rebuild (a custom op's), kept beside them
+DECISION_VALUES = "decision values"
 PYTORCH_MUST_SAVE = "must-save (pytorch)"  # PyTorch's own tag: region boundary, collective, effectful op
 OFFLOAD = "offload"  # moved to pinned host memory in the forward, brought back for the backward
 BUDGET = "budget"  # kept on the device by the memory budget
 PLAN = "plan"  # kept on the device by the planner
 MIN_CUT = "min-cut"  # the partitioner's own choice
 GRAPH_INPUT = "graph input"  # a parameter or input of the compiled graph
-REASONS = (MUST_SAVE, DISCRETE, PYTORCH_MUST_SAVE, OFFLOAD, BUDGET, PLAN, MIN_CUT, GRAPH_INPUT)
+REASONS = (MUST_SAVE, DISCRETE, DECISION_VALUES, PYTORCH_MUST_SAVE, OFFLOAD, BUDGET, PLAN, MIN_CUT, GRAPH_INPUT)
 
 
 @dataclass(frozen=True)

@@ -234,25 +234,44 @@ class OpCounter:
     A ``TorchDispatchMode`` that ignores compile internals: it counts real executions (eager code, the
     graphs ``aot_eager`` runs and the extern kernels Inductor calls), never the fake runs of tracing. An op
     counts as backward when it runs while autograd executes a backward node (a recompute, a custom op's
-    backward). Ops are OpOverloads, OpOverloadPackets or strings ``"ns::op"`` / ``"ns::op.overload"``.
+    backward). Ops are OpOverloads, OpOverloadPackets or strings ``"ns::op"`` / ``"ns::op.overload"``;
+    :meth:`decisions` counts every discrete decision instead.
     """
 
     def __init__(self, *ops):
         if not ops:
-            raise ValueError("sacpass.testing.OpCounter: name at least one op to count.")
-        self._match = tuple(_op_key(op) for op in ops)
+            raise ValueError("sacpass.testing.OpCounter: name at least one op to count, or use "
+                             "OpCounter.decisions() to count every discrete decision.")
+        self._setup(tuple(_op_key(op) for op in ops), decisions=False)
+
+    def _setup(self, match: tuple, decisions: bool) -> None:
+        self._match, self._decisions = match, decisions  # the ops named, or every discrete decision
         self.counts: dict[tuple[str, str], int] = {}
         self._mode = None
 
-    def _hit(self, func) -> None:
+    @classmethod
+    def decisions(cls) -> "OpCounter":
+        """A counter of every discrete decision, told by the values it ran on as sacpass tells them
+        (``save_discrete``): top-k, sort, argmax, max/min along a dim, ..., and custom ops returning an
+        integer tensor computed from a floating-point input. ``assert counter.backward == 0``: no decision
+        was made again in the backward."""
+        counter = cls.__new__(cls)
+        counter._setup((), decisions=True)
+        return counter
+
+    def _hit(self, func, inputs=(), out=None) -> None:
         name = func._schema.name
         overload = func._overloadname or "default"
-        for packet, ov in self._match:
-            if packet == name and (ov is None or ov == overload):
-                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
-                key = (f"{name}.{overload}", phase)
-                self.counts[key] = self.counts.get(key, 0) + 1
-                return
+        if self._decisions:
+            from .selectors import is_discrete_op, tensors_in
+
+            hit = is_discrete_op(func, tensors_in(list(inputs)), out)
+        else:
+            hit = any(packet == name and (ov is None or ov == overload) for packet, ov in self._match)
+        if hit:
+            phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+            key = (f"{name}.{overload}", phase)
+            self.counts[key] = self.counts.get(key, 0) + 1
 
     def count(self, phase: str | None = None, op: str | None = None) -> int:
         """Executions in ``phase`` ("forward", "backward" or None for both) of ``op`` (None: all)."""
@@ -287,12 +306,15 @@ class OpCounter:
                 return True
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                inputs = [*args, *kwargs.values()]
                 if isinstance(func, torch._ops.OpOverload):
-                    counter._hit(func)
+                    counter._hit(func, inputs, out)
                 else:
                     for op in [a for a in args if isinstance(a, torch._ops.OpOverload)]:
-                        counter._hit(op)
-                return func(*args, **(kwargs or {}))
+                        counter._hit(op, inputs, out)
+                return out
 
         self._mode = _Mode()
         self._mode.__enter__()

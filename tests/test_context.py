@@ -127,7 +127,8 @@ class BreakingModel(nn.Module):
         x = self.embed(x)
         for layer in self.layers:
             kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
-            x = checkpoint(functools.partial(layer.__call__), x, use_reentrant=False, **kw)
+            # transformers' GradientCheckpointingLayer form (modeling_layers.py)
+            x = checkpoint(functools.partial(type(layer).forward, layer), x, use_reentrant=False, **kw)
         return x.tanh()
 
 
@@ -167,6 +168,19 @@ def test_context_fixes_the_regions_that_run_eagerly():
     assert_close_lists(grads_c, grads_e, rtol=1e-5, atol=1e-6)
 
 
+def test_module_scoped_selectors_see_the_models_paths_in_a_region_run_eagerly():
+    """A compiled model's layers that run eagerly have the paths they have in the model (``layers.0``), not
+    the compile wrapper's (``_orig_mod.layers.0``): a module-scoped selector of context_fn matches there."""
+    torch.manual_seed(0)
+    model, x = BreakingModel(), torch.randn(8, 16)
+    model.context_fn = sacpass.context_fn(save=["layers.*::aten::topk"], save_discrete=False)
+    be = sacpass.backend(inner="aot_eager", save=["layers.*::aten::topk"], save_discrete=False, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, calls = _step(torch.compile(model, backend=be), model, x)
+    assert calls.count("backward", "aten::topk") == 0, calls.counts
+
+
 def test_no_warning_for_a_region_that_compiled():
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
@@ -185,7 +199,8 @@ def test_strict_error_names_the_eager_region():
     model.extra = ToyLayer(dim=16)  # a region that does compile, where the selector is checked
 
     def forward(t):
-        h = checkpoint(functools.partial(model.layers[0].__call__), model.embed(t), use_reentrant=False)
+        layer = model.layers[0]
+        h = checkpoint(functools.partial(type(layer).forward, layer), model.embed(t), use_reentrant=False)
         return model.extra(h)
 
     be = sacpass.backend(inner="aot_eager", save=["aten::topk"])

@@ -346,14 +346,16 @@ class Stack(nn.Module):
 
     def forward(self, x):
         for layer in self.layers:
-            if self.how == "transformers":  # what GradientCheckpointingLayer does
+            if self.how == "transformers":  # what GradientCheckpointingLayer does (modeling_layers.py)
+                x = checkpoint(functools.partial(type(layer).forward, layer, scale=2.0), x, use_reentrant=False)
+            elif self.how == "partial of __call__":  # transformers 4.x
                 x = checkpoint(functools.partial(layer.__call__, scale=2.0), x, use_reentrant=False)
             else:
                 x = checkpoint(layer, x, 2.0, use_reentrant=False)
         return x
 
 
-@pytest.mark.parametrize("how", ["transformers", "module"])
+@pytest.mark.parametrize("how", ["transformers", "partial of __call__", "module"])
 @pytest.mark.parametrize("selector, tagged", [("Layer::aten::sin", 2), ("layers.*::aten::sin", 2),
                                               ("layers.1::aten::sin", 1), ("Layer::aten::cos", 2),
                                               ("layers.0.inner::aten::cos", 1)])

@@ -153,6 +153,93 @@ def test_save_discrete_false_turns_the_default_off():
     assert "discrete" not in be.reports[0].policy
 
 
+# ------------------------------------------------- selections whose values only feed another decision
+# a score per group of experts, from the experts' scores [T, 8] in 4 groups of 2: the values carry no
+# gradient (they only choose groups), so the joint graph holds the selection without its indices
+GROUP_SCORES = {
+    "max": lambda s: s.view(-1, 4, 2).max(dim=-1).values,  # DeepSeek-V2's group-limited routing
+    "min": lambda s: -s.view(-1, 4, 2).min(dim=-1).values,
+    "topk": lambda s: s.view(-1, 4, 2).topk(2, dim=-1).values.sum(-1),  # DeepSeek-V3's
+    "sort": lambda s: s.view(-1, 4, 2).sort(dim=-1).values[..., 1],
+    "kthvalue": lambda s: s.view(-1, 4, 2).kthvalue(2, dim=-1).values,
+    "median": lambda s: s.view(-1, 4, 2).median(dim=-1).values,
+    "mode": lambda s: s.view(-1, 4, 2).mode(dim=-1).values,
+}
+
+
+class GroupRouter(Router):
+    """Group-limited routing: the experts are chosen among the best 2 of 4 groups."""
+
+    def __init__(self, how):
+        super().__init__(experts=8)
+        self.how = how
+
+    def body(self, x):
+        scores = self.gate(x).softmax(-1)                                   # [T, 8]
+        group_scores = GROUP_SCORES[self.how](scores)                       # [T, 4]
+        groups = group_scores.topk(2, dim=-1).indices                       # [T, 2]
+        mask = torch.zeros_like(group_scores).scatter(1, groups, 1.0)       # [T, 4]
+        allowed = mask.repeat_interleave(2, dim=-1).bool()                  # [T, 8]
+        weight, expert = scores.masked_fill(~allowed, 0.0).topk(self.k, dim=-1)
+        ys = torch.einsum("td,tkde->tke", x, self.experts[expert])          # [T, k, D]
+        return x + (ys * weight[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("how", [h if h == "max" else pytest.param(h, marks=pytest.mark.slow) for h in GROUP_SCORES])
+def test_a_selection_feeding_only_a_decision_is_kept_as_its_indices(how):
+    torch.manual_seed(0)
+    model, x = GroupRouter(how), torch.randn(24, 16)
+    out_e, grads_e, _ = _eager_no_checkpoint(model, x)
+    be = sacpass.backend(inner="aot_eager")
+    with OpCounter(f"aten::{how}") as selections:
+        out_c, grads_c, calls = _step(torch.compile(copy.deepcopy(model), backend=be, fullgraph=True), x)
+    assert calls.backward == 0 and selections.backward == 0, (calls.counts, selections.counts)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    assert_close_lists(grads_c, grads_e, rtol=1e-4, atol=1e-5)
+    (rep,) = be.reports
+    kept = [(s.op.split(".")[0], s.dtype) for s in rep.saved if s.reason == "discrete"]
+    assert (f"aten::{how}", "int32") in kept and all(dtype == "int32" for _, dtype in kept), rep.format()
+
+
+def test_a_custom_decisions_float_outputs_are_kept_as_what_they_are():
+    """A custom op's floating outputs cannot be rebuilt from its integer ones: they are kept, and the report
+    says why (never a float row with reason discrete)."""
+    import toy  # noqa: F401  registers sacpass_toy::topk_pair: (values, int32 ids)
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.context_fn = nn.Linear(16, 16), None
+
+        def body(self, x):
+            h = self.w(x)
+            vals, ids = torch.ops.sacpass_toy.topk_pair(h, 4)
+            return h * vals.softmax(-1).sum(-1, keepdim=True) + torch.gather(h, -1, ids.long()).mean()
+
+        def forward(self, x):
+            kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+            return checkpoint(self.body, x, use_reentrant=False, **kw)
+
+    torch.manual_seed(0)
+    model, x = Pair(), torch.randn(12, 16)
+    _, grads_e, _ = _eager_no_checkpoint(model, x)
+    be = sacpass.backend(inner="aot_eager")
+    with OpCounter("sacpass_toy::topk_pair") as calls:
+        _, grads_c, _ = _step(torch.compile(copy.deepcopy(model), backend=be, fullgraph=True), x)
+    assert calls.backward == 0, calls.counts
+    assert_close_lists(grads_c, grads_e, rtol=1e-4, atol=1e-5)
+    (rep,) = be.reports
+    rows = sorted((s.dtype, s.reason) for s in rep.saved if s.op.startswith("sacpass_toy::topk_pair"))
+    assert rows == [("float32", "decision values"), ("int32", "discrete")], rep.format()
+    assert "decision values" in rep.format() and not any(
+        s.reason == "discrete" and s.dtype.startswith("float") for s in rep.saved)
+    why = [t["selector"] for t in rep.tagged if t["reason"] == "decision values"]
+    assert why and all("cannot rebuild" in w for w in why), why
+    model.context_fn = be.context_fn()  # in eager, the same
+    _, grads_x, calls = _step(model, x)
+    assert calls.backward == 0 and sorted((k.dtype, k.reason) for k in model.context_fn.spec.kept) == rows
+
+
 # ------------------------------------------------------------------------------------------ the hazard
 def test_recompute_drift_trains_on_indices_the_forward_never_chose():
     """The plain compiled checkpoint recomputes the router in the backward, where the drifting top-k picks

@@ -99,8 +99,8 @@ SCRIPT = textwrap.dedent("""
             self.layers = nn.ModuleList(cls() for _ in range(2))
 
         def forward(self, x):
-            for layer in self.layers:  # transformers' GradientCheckpointingLayer form
-                x = checkpoint(functools.partial(layer.__call__, scale=2.0), x, use_reentrant=False)
+            for layer in self.layers:  # transformers' GradientCheckpointingLayer form (modeling_layers.py)
+                x = checkpoint(functools.partial(type(layer).forward, layer, scale=2.0), x, use_reentrant=False)
             return x
 
     be = sacpass.backend(save=["Layer::aten::sin"], inner="aot_eager")
@@ -114,6 +114,113 @@ SCRIPT = textwrap.dedent("""
         torch.compile(Model(Breaking), backend=other)(torch.randn(4, 8, requires_grad=True)).sum().backward()
     EAGER = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
 """)
+
+
+# ------------------------------------------------------------------ every checkpoint form names its module
+class Counting(nn.Module):
+    """A layer whose body Dynamo cannot trace (a Python int read off a tensor), so a checkpoint around it runs
+    eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        y = self.lin(x)
+        n = int((y > 0).sum())  # a data-dependent Python value: a graph break
+        return torch.sin(y) * scale + 0 * n
+
+
+def _checkpoint_wrapped(layer):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return checkpoint_wrapper(layer)
+
+
+# how the model's forward checkpoints a layer: what transformers, torchtitan and plain PyTorch code write
+FORMS = {
+    # transformers >= 5 (GradientCheckpointingLayer, modeling_layers.py): the class's forward, the module first
+    "transformers": lambda layer: functools.partial(type(layer).forward, layer, scale=2.0),
+    "partial of __call__": lambda layer: functools.partial(layer.__call__, scale=2.0),  # transformers 4.x
+    "bound method": lambda layer: layer.forward,
+    "lambda": lambda layer: (lambda x: layer(x, scale=2.0)),
+    "module": lambda layer: layer,
+}
+
+
+class Looping(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.layers = nn.ModuleList(Counting() for _ in range(2))
+        self.form = form
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.form == "checkpoint_wrapper":  # torchtitan, FSDP: the wrapper module checkpoints its child
+                x = layer(x)
+            else:
+                x = checkpoint(FORMS[self.form](layer), x, use_reentrant=False)
+        return x
+
+
+def _eager_regions_of(model) -> tuple[list[str], list[str]]:
+    """Step the model: (the modules of the regions that ran eagerly, the warnings about them)."""
+    gb._REGIONS.clear()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    return [r.module for r in gb.eager_regions()], [str(w.message) for w in caught if "eagerly" in str(w.message)]
+
+
+@pytest.mark.parametrize("form", [*FORMS, "checkpoint_wrapper"])
+def test_every_checkpoint_form_names_the_module_of_its_region(form):
+    model = Looping(form)
+    if form == "checkpoint_wrapper":
+        model.layers = nn.ModuleList(_checkpoint_wrapped(layer) for layer in model.layers)
+    be = sacpass.backend(inner="aot_eager")
+    regions, _ = _eager_regions_of(torch.compile(model, backend=be))
+    if form == "checkpoint_wrapper":  # Dynamo gives up on the loop, then compiles the wrapper's forward once
+        assert regions == [f"layers.{i}._checkpoint_wrapped_module (Counting)" for i in range(2)]
+    else:  # Dynamo gives up on the loop at its first checkpoint; the rest of the frame runs in eager PyTorch
+        assert regions == ["layers.0 (Counting)"]
+
+
+class SelfCheckpointing(Counting):
+    """transformers' GradientCheckpointingLayer: the layer's own forward checkpoints its body."""
+
+    def forward(self, x):
+        return checkpoint(functools.partial(Counting.forward, self, scale=2.0), x, use_reentrant=False)
+
+
+class Stack(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(SelfCheckpointing() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stack = Stack()
+
+    def forward(self, x):
+        return self.stack(x).tanh()
+
+
+def test_each_layer_compiled_on_its_own_is_its_own_region_named_by_its_full_path():
+    be = sacpass.backend(inner="aot_eager")
+    model = Decoder()
+    for layer in model.stack.layers:
+        layer.compile(backend=be)
+    regions, eager = _eager_regions_of(model)
+    assert regions == [f"stack.layers.{i} (SelfCheckpointing)" for i in range(3)], regions
+    assert len(eager) == 1 and "stack.layers.2 (SelfCheckpointing)" in eager[0], eager  # one graph break
 
 
 def _check(scoped, eager):

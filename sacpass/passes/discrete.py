@@ -8,7 +8,9 @@ cummin) that also returns the selected *values*:
 - every use of the values is rewired to ``gather(input, dim, indices)``, a forward node with the op's
   original checkpoint tag. The values equal the op's own (the same elements), the backward rebuilds them
   from the recomputed input and the saved indices, and gradients flow through the gather as before; the
-  float values themselves are never saved;
+  float values themselves are never saved. Values that carry no gradient (a group score that only feeds
+  another decision) leave the joint graph without a getitem of the indices: one is made, tagged as the
+  decision's outputs are;
 - an int64 index output is saved as int32 (``convert_element_type``, ``MUST_SAVE``) and widened again where it
   is used (``MUST_RECOMPUTE``), so the backward loads half the bytes. Indices along a dim of 2**31 or more
   elements are left int64.
@@ -20,6 +22,8 @@ Other discrete ops (argmax, argmin, searchsorted, custom ops with integer output
 left them. Returns the records of the nodes this pass added, and the names of value getitems it removed.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -61,17 +65,38 @@ def _new_node(graph: torch.fx.Graph, like: torch.fx.Node, target, args, tag) -> 
     return node
 
 
+def _indices_of(graph: torch.fx.Graph, node: torch.fx.Node, values: torch.fx.Node, result: TagResult,
+                rec) -> torch.fx.Node:
+    """The getitem of ``node``'s indices, made (after ``values``, tagged as the tag pass tags a decision's
+    outputs) when the joint graph has none: the values carry no gradient, so nothing read them."""
+    indices = _getitem(node, 1)
+    if indices is not None:
+        return indices
+    with graph.inserting_after(values):
+        indices = graph.call_function(operator.getitem, (node, 1))
+    indices.name = graph._graph_namespace.create_name(f"{values.name}_indices", None)
+    for key in _COPIED_META:
+        if key in values.meta:
+            indices.meta[key] = values.meta[key]
+    indices.meta["val"] = node.meta["val"][1]
+    indices.meta["recompute"] = getattr(CheckpointPolicy, rec.previous) if rec.previous else None
+    result.add(indices, CheckpointPolicy.MUST_SAVE, rec.reason, rec.selector)
+    return indices
+
+
 def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, previous,
-                    order: dict[torch.fx.Node, int]) -> list[str]:
+                    order: dict[torch.fx.Node, int], result: TagResult, rec) -> list[str]:
     """Rewire the uses of ``node``'s values to a gather from its input at its indices. ``order``: the
     position of each node the graph held when the pass began (what this pass inserts keeps their order)."""
-    values, indices = _getitem(node, 0), _getitem(node, 1)
-    if values is None or indices is None or not values.users:
+    values = _getitem(node, 0)
+    if values is None or not values.users:
         return []
+    indices = _indices_of(graph, node, values, result, rec)
     args = bound_args(op, node.args, node.kwargs)
     dim, src = args.get("dim", -1), node.args[0]
     aten = torch.ops.aten
-    with graph.inserting_after(max(values, indices, key=order.__getitem__)):
+    last = indices if indices not in order else max(values, indices, key=order.__getitem__)  # a new one: after values
+    with graph.inserting_after(last):
         if kind == "same" or args.get("keepdim", False):
             rebuilt = _new_node(graph, values, aten.gather.default, (src, dim, indices), previous)
         else:
@@ -122,7 +147,7 @@ def keep_decisions_pass(gm: torch.fx.GraphModule, tags: TagResult) -> list[str]:
             continue
         previous = getattr(CheckpointPolicy, rec.previous) if rec.previous else None
         if kind is not None and rec.reason == DISCRETE:
-            removed += _rebuild_values(graph, node, op, kind, previous, order)
+            removed += _rebuild_values(graph, node, op, kind, previous, order, tags, rec)
         idx = _getitem(node, 1) if kind is not None else (node if isinstance(node.meta.get("val"), torch.Tensor) else None)
         if idx is not None and idx.meta["val"].dtype == torch.int64 and idx.users \
                 and selection_extent(op, *_vals(node), size=size_hint) <= INT32_LIMIT:

@@ -3,9 +3,10 @@
 Runs on the Dynamo graph, before AOTAutograd traces it (module paths flow from there to the joint graph).
 
 Why: Dynamo records a module in ``nn_module_stack`` when it calls the module object. A checkpoint called
-the way transformers' ``GradientCheckpointingLayer`` calls it, ``checkpoint(partial(layer.__call__, **kw), x)``,
-enters ``layer.forward`` through a bound method: the ops written directly in that ``forward`` get no module at
-all, and the ops of its submodules lose the layer's entry. ``"Layer::aten::sin"`` and ``"layers.*::aten::sin"``
+the way transformers' ``GradientCheckpointingLayer`` calls it, ``checkpoint(partial(forward, layer, **kw), x)``
+(the class's own forward, the layer its first argument; ``partial(layer.__call__, **kw)`` before transformers 5),
+enters ``forward`` as a plain function: the ops written directly in that ``forward`` get no module at all,
+and the ops of its submodules lose the layer's entry. ``"Layer::aten::sin"`` and ``"layers.*::aten::sin"``
 would then match nothing, while ``checkpoint(layer, x)`` works. Module scoping must not depend on that.
 
 Requires: the GraphModule Dynamo hands to a backend.

@@ -4,7 +4,8 @@ Requires: an AOTAutograd joint graph (placeholders ``primals_*`` and ``tangents_
 Ensures, for every forward node (never the backward part of the joint: those are not recomputations):
 
 - selected to save (explicit, registered, or a default: discrete decisions, collectives): the node and every
-  getitem that unpacks it (nested tuples included) have ``meta["recompute"] = CheckpointPolicy.MUST_SAVE``;
+  getitem that unpacks it (nested tuples included) have ``meta["recompute"] = CheckpointPolicy.MUST_SAVE``
+  (a custom decision's floating outputs with the reason ``decision values``: nothing rebuilds them);
   along chains of cheap unary ops fed only by a saved value, links no smaller than what precedes them are
   ``MUST_RECOMPUTE`` and links narrower than everything before them are ``MUST_SAVE``, so the narrowest form
   (int32, never a widened int64) is what the backward loads;
@@ -37,6 +38,7 @@ EXACT_KEY = "sacpass_exact"  # node.meta key: the ModelPlan(exact=) selector tha
 
 # why a node was tagged (TagRecord.reason), also the report's reason for a saved tensor
 MUST_SAVE, DISCRETE, OFFLOAD, RECOMPUTE = "must-save", "discrete", "offload", "recompute"
+DECISION_VALUES = "decision values"  # a decision's floating outputs its integer ones cannot rebuild
 _DISCRETE = DiscreteSelector()
 
 
@@ -47,7 +49,7 @@ class TagRecord:
     name: str  # node name in the joint graph
     op: str  # producing op, "ns::op.overload"
     tag: str  # the PyTorch policy set: "MUST_SAVE", "MUST_RECOMPUTE" or "MUST_CPU_OFFLOAD"
-    reason: str  # must-save | discrete | offload | recompute | budget | plan | derived
+    reason: str  # must-save | discrete | decision values | offload | recompute | budget | plan | derived
     selector: str  # the selector (or pass) that chose it
     module: str  # module path relative to the compiled root
     source: str  # "file.py:line" of the user code that produced it
@@ -162,6 +164,18 @@ def _save_reason(node: torch.fx.Node, action: str, sel) -> str:
     return MUST_SAVE
 
 
+def _output_reason(out: torch.fx.Node, node: torch.fx.Node, reason: str, sel) -> tuple[str, str]:
+    """(reason, selector text) for one output of a saved node. A discrete decision's floating outputs are
+    rebuilt from its indices where sacpass knows how (ATen selections: keep_decisions_pass); a custom op's
+    cannot be, and are kept as what they are, with a reason that says so."""
+    val = out.meta.get("val")
+    if reason != DISCRETE or out is node or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point \
+            or node_op(node)._schema.name in VALUE_INDEX_OPS:
+        return reason, str(sel)
+    return DECISION_VALUES, (f"{sel} (its floating output: sacpass cannot rebuild {op_name(node)}'s values from "
+                             f"its integer outputs, so they are saved with them)")
+
+
 def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy) -> TagResult:
     """Tag the nodes ``policy`` selects. Returns what was tagged; raises on refused or conflicting input."""
     graph = gm.graph
@@ -188,7 +202,8 @@ def tag_policy_pass(gm: torch.fx.GraphModule, policy: Policy) -> TagResult:
         reason = _save_reason(node, action, sel)
         targets = [node] + unpackers(node)
         for t in targets:
-            result.add(t, CheckpointPolicy.MUST_SAVE, reason, str(sel), offload=action == "offload")
+            why, chosen_by = _output_reason(t, node, reason, sel)
+            result.add(t, CheckpointPolicy.MUST_SAVE, why, chosen_by, offload=action == "offload")
         if action == "save":
             roots = targets
             if reason == DISCRETE and node_op(node)._schema.name in VALUE_INDEX_OPS:
