@@ -110,7 +110,7 @@ def _rebuild_values(graph: torch.fx.Graph, node: torch.fx.Node, op, kind: str, p
     return [values.name]
 
 
-def _narrow(graph: torch.fx.Graph, idx: torch.fx.Node, result: TagResult, selector: str, decision: str,
+def _save_as_int32(graph: torch.fx.Graph, idx: torch.fx.Node, result: TagResult, selector: str, decision: str,
             reason: str = DISCRETE) -> None:
     """Save (or, ``reason`` offload, offload) int64 ``idx`` as int32: idx -> narrow (MUST_SAVE) -> wide
     (MUST_RECOMPUTE) -> former users."""
@@ -151,7 +151,7 @@ def keep_decisions_pass(gm: torch.fx.GraphModule, tags: TagResult) -> list[str]:
         idx = _getitem(node, 1) if kind is not None else (node if isinstance(node.meta.get("val"), torch.Tensor) else None)
         if idx is not None and idx.meta["val"].dtype == torch.int64 and idx.users \
                 and selection_extent(op, *_vals(node), size=size_hint) <= INT32_LIMIT:
-            _narrow(graph, idx, tags, rec.selector, rec.op, rec.reason)
+            _save_as_int32(graph, idx, tags, rec.selector, rec.op, rec.reason)
     tags.records = [r for r in tags.records if r.name not in removed]
     graph.lint()
     return removed
