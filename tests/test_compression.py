@@ -220,6 +220,7 @@ def test_by_default_a_value_the_backward_sums_times_its_gradient_goes_unpacked()
                                                          if d.action == "offload")
 
 
+@pytest.mark.slow  # the softmax case above covers the rule quickly
 def test_the_glm_attention_output_stays_exact_by_default_and_the_gradients_are_closer():
     """Tiny GLM-5.2 under a compressing plan: sparse MLA's output (its backward op reads it with its gradient)
     goes to the host unpacked by default; every parameter's gradient is then closer to the exact plan's than

@@ -100,6 +100,7 @@ def test_a_pool_past_its_rank_s_share_names_the_rank_the_budget_and_the_fix(tmp_
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # three processes; the rank's share and its refusal are the quick tests above
 def test_ranks_of_one_host_hold_no_more_than_the_node_budget_together(tmp_path):
     """Three ranks (torchrun, gloo) under a fake 64 MiB container: each rank's pool defaults to a third of the
     node budget and its model plan to 90% of that; two ranks offload what fits, the third more than its share

@@ -75,8 +75,8 @@ def _plan(gpu, host, **kw):
     (0, 1 << 20, [0, 0, 0, 0]),                          # all to the host
     (REGION, 1 << 20, [0, 0, 0, REGION]),                # the last layer stays: its backward comes first
     (REGION + 384 * 3, 1 << 20, [384, 384, 384, REGION]),  # then what fits, from the end back
-    (2 * REGION, 1 << 20, [0, 0, REGION, REGION]),
-    (4 * REGION + 4096, 0, [REGION] * 4),                # no host: everything on the device
+    pytest.param(2 * REGION, 1 << 20, [0, 0, REGION, REGION], marks=pytest.mark.slow),  # tests/test_placement.py
+    pytest.param(4 * REGION + 4096, 0, [REGION] * 4, marks=pytest.mark.slow),  # no host: everything on the device
 ])
 def test_placement_by_region_under_several_budgets(gpu, host, device_by_region):
     grads, st, rows, be = _run(_plan(gpu, host))
@@ -206,7 +206,7 @@ def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
         assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(g, ref))
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_dynamic_shape_compile_places_its_values_and_matches_eager(inner):
     """A batch of another size recompiles the layers for a dynamic batch: the unstash ops' sizes and strides
     are symbolic, and the backward rebuilds them from its own inputs (their names, not a symbol's text); each
@@ -375,6 +375,7 @@ def test_activation_inputs_need_aot_autograd_s_static_inputs():
     assert activation_inputs(gm, [0], min_bytes=65) == []
 
 
+@pytest.mark.slow  # the toy stack's inputs are the quick case
 def test_glm_layers_place_their_hidden_states_and_the_shared_top_k_ids_and_match_eager():
     """The GLM-5.2 tiny model: every decoder layer's hidden states, and the top-k IDs a shared-top-k layer
     receives from the layer before, are placed per layer (the last layer's on the device, the rest on the

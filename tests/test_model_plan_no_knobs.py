@@ -96,6 +96,7 @@ def test_given_layers_compile_at_once_with_the_cost_measured_on_the_device(fixed
     assert fixed_rates == [(torch.device("cpu"), {})]  # no first step to take op times from
 
 
+@pytest.mark.slow  # the toy stack above covers the counting quickly
 def test_the_glm_model_trains_as_eager_under_a_plan_with_no_arguments(fixed_rates):
     """Tiny GLM-5.2 (dense and MoE layers, a shared top-k layer, MTP): the plan counts every decoder layer
     and the MTP layer as regions, and the loss and gradients equal eager's in the counted step and after."""
