@@ -204,7 +204,7 @@ def test_a_selection_feeding_only_a_decision_is_kept_as_its_indices(how):
 def test_a_custom_decisions_float_outputs_are_kept_as_what_they_are():
     """A custom op's floating outputs cannot be rebuilt from its integer ones: they are kept, and the report
     says why (never a float row with reason discrete)."""
-    import toy  # noqa: F401  registers sacpass_toy::topk_pair: (values, int32 ids)
+    import tests.support.toy  # noqa: F401  registers sacpass_toy::topk_pair: (values, int32 ids)
 
     class Pair(nn.Module):
         def __init__(self):
