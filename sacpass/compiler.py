@@ -124,8 +124,8 @@ class Backend:
         """Fix what the model plan left open, for ``device`` (see :meth:`sacpass.ModelPlan.resolve`); once."""
         with self._lock:
             if self._resolved_plan is None:
-                self._resolved_plan = declare(self._config.plan.resolve(device, regions=regions,
-                                                                       op_seconds=op_seconds))
+                given = self._config.plan
+                self._resolved_plan = declare(given.resolve(device, regions=regions, op_seconds=op_seconds), given)
 
     @property
     def policy(self) -> Policy:

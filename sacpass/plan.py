@@ -340,10 +340,22 @@ def declared_plan(key: str) -> "ModelPlan | None":
     return _DECLARED.get(key)
 
 
-def declare(plan: ModelPlan) -> ModelPlan:
-    """Make a resolved model plan known to this process's runtime (by its key), before any graph runs."""
+_RESOLVED: dict[ModelPlan, ModelPlan] = {}  # a plan as given -> as the backend resolved it
+
+
+def declare(plan: ModelPlan, given: ModelPlan | None = None) -> ModelPlan:
+    """Make a resolved model plan known to this process's runtime (by its key), before any graph runs;
+    ``given``: the plan it was resolved from, which the runtime's readers then accept in its place."""
     _DECLARED.setdefault(plan.key, plan)
+    if given is not None:
+        _RESOLVED[given] = plan
     return plan
+
+
+def resolved_plan(plan: ModelPlan) -> ModelPlan | None:
+    """``plan`` as a backend of this process resolved it (itself when it leaves nothing open), or None before
+    any has."""
+    return plan if plan.resolved else _RESOLVED.get(plan)
 
 
 def as_plan(plan) -> Plan | ModelPlan | None:

@@ -219,3 +219,18 @@ def test_the_prefetch_limit_is_one_layer_ahead_by_default():
         with pytest.raises(ValueError, match="'auto'"):
             rt.set_prefetch_limit(bad)
     del hosts
+
+
+def test_the_runtime_s_readers_take_the_plan_as_given(fixed_rates):
+    """placements(), format_placements() and device_budget() take the plan the user built, before the backend
+    resolved it (a clear error) and after (its resolved state)."""
+    plan = sacpass.ModelPlan(min_offload_bytes=0, hide=0.75)  # equal plans share their resolution: one of its own
+    with pytest.raises(sacpass.OffloadError, match="has not been compiled yet.*run a training step first"):
+        rt.placements(plan)
+    with no_compile_caches():
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        model = CompiledStack(be, LAYERS, 0)
+        for _ in range(3):
+            _step(model, _x())
+    assert rt.placements(plan) == rt.placements(be.plan) and len(rt.placements(plan)) == LAYERS
+    assert rt.device_budget(plan) == rt.device_budget(be.plan) and "region" in rt.format_placements(plan)

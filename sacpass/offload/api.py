@@ -78,11 +78,21 @@ def release_host_memory() -> int:
     return process_runtime().release_host_memory()
 
 
+def _key(plan) -> str:
+    """The runtime's key of ``plan``, as given or as its backend resolved it."""
+    from ..plan import resolved_plan
+    resolved = resolved_plan(plan)
+    if resolved is None:
+        raise OffloadError(f"sacpass: {plan!r} has not been compiled yet (a ModelPlan with no layers= or cost= is "
+                           f"resolved at its backend's first training compile); run a training step first.")
+    return resolved.key
+
+
 def _states(plan) -> list:
     rt = process_runtime()
     with rt.lock:
-        if plan is not None and plan.key in rt.plans:
-            return [rt.plans[plan.key]]
+        if plan is not None and _key(plan) in rt.plans:
+            return [rt.plans[_key(plan)]]
         return list(rt.plans.values())
 
 
@@ -109,16 +119,16 @@ def device_budget(plan) -> dict:
     keeps on the device), ``peak_bytes`` (the cap, or None) and ``peak_read`` (the device's peak allocated
     memory as the last step's backward ended, or None before one has, or where there is none to read)."""
     from ..plan import declared_plan
-    if declared_plan(plan.key) is None:
+    if declared_plan(_key(plan)) is None:
         raise OffloadError(f"sacpass: {plan!r} is not registered: build a backend with it (sacpass.backend(plan="
                            f"...)) before asking for its device budget.")
     rt = process_runtime()
     with rt.lock:
-        return budget_of(rt.plan_state(plan.key))
+        return budget_of(rt.plan_state(_key(plan)))
 
 
 def format_placements(plan=None) -> str:
     rt = process_runtime()
     with rt.lock:
-        state = rt.plans.get(plan.key) if plan is not None else None
+        state = rt.plans.get(_key(plan)) if plan is not None else None
         return format_rows(placement_rows(_states(plan)), state)

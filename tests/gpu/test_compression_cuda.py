@@ -48,7 +48,12 @@ def _step(model, ids):
     return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_a_model_plan_that_packs_its_host_values_stays_close_to_control():
+@pytest.mark.parametrize("exact", [(), None], ids=["every value packed", "sensitive values exact"])
+def test_a_model_plan_that_packs_its_host_values_stays_close_to_control(exact):
+    """The 2-layer bench model at 16K: every floating value the plan sends to the host packed (exact=()), or the
+    default, which keeps the values the backward is sensitive to (sparse MLA's output) exact. The loss is
+    control's within the forward's rounding; the worst parameter's gradient is printed with its cosine and
+    relative error against control's."""
     torch.manual_seed(0)
     cfg = GLM52Config.preset("bench", num_layers=2, mtp_layers=0, fp8=True, first_k_dense=0)
     with torch.device("cuda"):
@@ -61,17 +66,21 @@ def test_a_model_plan_that_packs_its_host_values_stays_close_to_control():
     del control
 
     torch._dynamo.reset()
-    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=8 << 30, compress="fp8")
+    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=8 << 30, compress="fp8", exact=exact)
     be = sacpass.backend(plan=plan)
     model = apply_compile(copy.deepcopy(base), backend=be)
     for _ in range(2):
         offload_runtime.reset_stats()
         l_p, g_p = _step(model, ids)
         st = offload_runtime.stats()
-        assert st.packed_bytes > 0 and st.offloaded_bytes < 0.53 * st.packed_bytes, st.format()
-        assert st.reloaded_bytes == st.offloaded_bytes and st.bundles_alive == 0, st.format()
+        assert st.packed_bytes > 0 and st.reloaded_bytes == st.offloaded_bytes and st.bundles_alive == 0, st.format()
+        if exact == ():
+            assert st.offloaded_bytes < 0.53 * st.packed_bytes, st.format()
+    kept_exact = [d for r in be.reports for d in r.decisions if d.exact]
+    assert (exact == ()) == (not kept_exact), kept_exact
     print(st.format())
     worst = sorted((cosine_similarity(g_p[n], g_c[n]), n, relative_error(g_p[n], g_c[n])) for n in g_c)
-    print("loss control", l_c.item(), "packed", l_p.item(), "; worst grads (cos, name, rel):", worst[:3])
+    print(f"exact={exact}: loss control", l_c.item(), "packed", l_p.item(), "; worst grads (cos, name, rel):",
+          worst[:3])
     assert abs(l_p.item() - l_c.item()) < 2e-3, (l_p.item(), l_c.item())
     assert worst[0][0] >= 0.97, worst[:3]
