@@ -23,3 +23,24 @@ def assert_similar(actual: torch.Tensor, expected: torch.Tensor, *, min_cos: flo
     cos, rel = cosine_similarity(actual, expected), relative_error(actual, expected)
     assert cos >= min_cos and rel <= max_rel, (
         f"{what}: cosine {cos:.6f} (need >= {min_cos}), relative error {rel:.3e} (need <= {max_rel})")
+
+
+def eager_step(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step of a causal LM (``model(ids, labels=ids)``): its loss and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_steps_match(model, ids, reference: tuple[torch.Tensor, dict[str, torch.Tensor]], steps: int = 3,
+                       before_step=lambda: None) -> None:
+    """``steps`` training steps of ``model``, each with ``reference``'s loss and gradients (an eager step's,
+    :func:`eager_step`), to fp32 reordering; ``before_step`` runs before each."""
+    loss_e, grads_e = reference
+    for _ in range(steps):
+        before_step()
+        loss, grads = eager_step(model, ids)
+        torch.testing.assert_close(loss, loss_e, rtol=1e-5, atol=1e-5)
+        for name, grad in grads_e.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
