@@ -253,12 +253,10 @@ class ModelPlan:
         """Whether every budget and the cost model are set: what a compile partitions with."""
         return self.layers is not None and self.gpu_bytes is not None and self.cost is not None
 
-    def resolve(self, device, regions: int | None = None, op_seconds: dict | None = None,
-                calibrate=None) -> "ModelPlan":
+    def resolve(self, device, regions: int | None = None, op_seconds: dict | None = None) -> "ModelPlan":
         """This plan with nothing left to decide, for ``device``: ``layers`` from ``regions`` (counted), the cost
-        model measured there (``calibrate(device, op_seconds=...)``, by default
-        :func:`sacpass.calibration.calibrate`, with the counted step's op times), the device budget from 0 under
-        ``DEVICE_SHARE`` of its memory."""
+        model measured there (:func:`sacpass.calibration.calibrate`, with the counted step's op times), the device
+        budget from 0 under ``DEVICE_SHARE`` of its memory."""
         import torch
 
         if self.resolved:
@@ -269,8 +267,8 @@ class ModelPlan:
                                      "resolve it with the count (regions=...), or pass layers=.")
         cost = self.cost
         if cost is None:
-            from .calibration import calibrate as measure
-            cost = (calibrate or measure)(device, op_seconds=op_seconds)
+            from . import calibration
+            cost = calibration.calibrate(device, op_seconds=op_seconds)
         peak = self.peak_bytes
         device = torch.device(device)
         if self.gpu_bytes is None and peak is None and device.type == "cuda":

@@ -1,7 +1,10 @@
 """The offload runtime's public functions (re-exported by :mod:`sacpass.offload`)."""
 from __future__ import annotations
 
+import torch
+
 from ..errors import OffloadError
+from .clocks import device_key
 from .step_report import budget_of, format_rows, placement_rows
 from .runtime import AUTO, process_runtime
 from .counters import OffloadStats
@@ -59,8 +62,6 @@ def prefetch_limit(device=None) -> int | None | str:
     rt = process_runtime()
     if device is None:
         return rt.prefetch_setting
-    from .clocks import device_key
-    import torch
     return rt.prefetch_limit(device_key(torch.device(device)))
 
 

@@ -131,8 +131,7 @@ class Runtime:
             if entry is not None:
                 out, event = self.transfers.read(entry, device)
         if entry is None:
-            with self.lock:
-                return self.transfers.plain_copy(host, device)
+            return self.transfers.plain_copy(host, device)
         if device.type == "cuda":
             torch.cuda.current_stream(device).wait_event(event)
         self.give_warnings()

@@ -308,6 +308,7 @@ class Transfers:
     def plain_copy(self, host: Tensor, device: torch.device) -> Tensor:
         """A host tensor sacpass did not make (or an empty one), copied to ``device`` as it is."""
         out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-        out.copy_(host)
-        self.stats.reloaded_bytes += host.numel() * host.element_size()
+        out.copy_(host)  # outside the runtime's lock: only the counter is shared
+        with self.lock:
+            self.stats.reloaded_bytes += host.numel() * host.element_size()
         return out
