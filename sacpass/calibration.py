@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .nodes import size_hint
+from .offload.clocks import clock, elapsed_ms
 from .plan import CostModel
 
 __all__ = ["calibrate", "op_signature", "is_heavy", "OpTimer", "CalibrationStore", "device_name", "BENCHMARKS"]
@@ -62,19 +63,9 @@ def op_signature(op, args, kwargs=None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def _clock(device: torch.device):
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
 def _elapsed(start, end) -> float:
-    """Seconds between two :func:`_clock` marks (CUDA marks must have completed)."""
-    if isinstance(start, float):
-        return end - start
-    return start.elapsed_time(end) / 1e3
+    """Seconds between two :func:`~sacpass.offload.clocks.clock` marks (CUDA marks must have completed)."""
+    return elapsed_ms(start, end) / 1e3
 
 
 class OpTimer(TorchDispatchMode):
@@ -91,9 +82,9 @@ class OpTimer(TorchDispatchMode):
             return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device("cpu")
-        start = _clock(device)
+        start = clock(device)
         out = func(*args, **kwargs)
-        self.marks.append((op_signature(func, args, kwargs), device, start, _clock(device)))
+        self.marks.append((op_signature(func, args, kwargs), device, start, clock(device)))
         return out
 
     def seconds(self) -> dict[str, float]:
@@ -154,9 +145,9 @@ def time_on(device: torch.device, fn: Callable[[], object], repeats: int = 5) ->
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = _clock(device)
+        start = clock(device)
         fn()
-        end = _clock(device)
+        end = clock(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(_elapsed(start, end))

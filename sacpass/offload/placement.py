@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..errors import OffloadError
+from .sizes import pool_bytes
 
 __all__ = ["Key", "Budgets", "place_step", "smallest_budgets", "later_device_bytes", "place_arriving", "follow_peak",
            "PeakMove"]
@@ -41,7 +42,6 @@ class Budgets:
 
 
 def _host(host_sizes: Mapping[Key, int], sizes: Mapping[Key, int], key: Key) -> int:
-    from .sizes import pool_bytes
     return host_sizes.get(key, pool_bytes(sizes[key]))
 
 
