@@ -21,8 +21,9 @@ IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``
 one plan for all layers, placed per layer at run time; ``--peak-gib control`` caps the peak at control's, measured
 first in the same command); ``model_plan_auto`` is ``sacpass.ModelPlan()`` with no arguments but ``--peak-gib``
 (its first step runs the policy alone while it counts the layers; the plan compiles in the first warm-up step);
-``model_plan_fp8`` is the same as ``model_plan`` with ``compress="fp8"`` (lossy: the values
-sent to the host go FP8-packed, but for those ``--exact`` names; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
+``model_plan_fp8`` is the same as ``model_plan`` with ``compress="fp8"`` and ``model_plan_auto_fp8`` as
+``model_plan_auto`` (lossy: the values sent to the host go FP8-packed, but for those ``--exact`` names, by default
+those the backward is sensitive to; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
 profiled step per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline;
@@ -62,7 +63,13 @@ GIB = 2 ** 30
 def model_plan(args, gpu_gib: float, compress: str | None = None) -> sacpass.ModelPlan:
     return sacpass.ModelPlan(layers=args.layers, gpu_bytes=int(gpu_gib * GIB), host_bytes=int(args.step_host_gib * GIB),
                              compress=compress, peak_bytes=peak_bytes(args),
-                             exact=tuple(args.exact.split(",")) if compress and args.exact else ())
+                             exact=exact_values(args) if compress else None)
+
+
+def exact_values(args) -> tuple | None:
+    """--exact: ``sensitive`` (None: the values the backward is sensitive to, the default), ``none`` (every
+    floating value packed) or op selectors."""
+    return None if args.exact == "sensitive" else () if args.exact == "none" else tuple(args.exact.split(","))
 
 
 def gib_or_control(v: str):
@@ -96,6 +103,8 @@ def backends(args) -> dict:
         "model_plan_fp8": lambda x: sacpass.backend(
             inner=inner, plan=model_plan(args, args.gpu_gib if x is None else x, compress="fp8")),
         "model_plan_auto": lambda _: sacpass.backend(inner=inner, plan=sacpass.ModelPlan(peak_bytes=peak_bytes(args))),
+        "model_plan_auto_fp8": lambda _: sacpass.backend(inner=inner, plan=sacpass.ModelPlan(
+            peak_bytes=peak_bytes(args), compress="fp8", exact=exact_values(args))),
         "budget": lambda x: sacpass.backend(inner=inner, memory_budget=args.budget if x is None else x),
         "pytorch_budget": lambda _: inner,
     }
@@ -404,9 +413,10 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
-    p.add_argument("--exact", default="",
-                   help="model_plan_fp8: comma-separated op selectors of values sent to the host unpacked "
-                        "(ModelPlan(exact=), e.g. glm52::sparse_mla)")
+    p.add_argument("--exact", default="sensitive",
+                   help="model_plan_fp8 / model_plan_auto_fp8: the values sent to the host unpacked: 'sensitive' (the "
+                        "default: those the backward is sensitive to), 'none' (every floating value packed), or "
+                        "comma-separated op selectors (ModelPlan(exact=), e.g. glm52::sparse_mla)")
     p.add_argument("--peak-gib", default=None, type=gib_or_control,
                    help="model_plan: the device peak the step may reach (ModelPlan(peak_bytes=)), in GiB or 'control' "
                         "(control's peak allocated, measured before it); the plan keeps more on the device, step by "

@@ -22,7 +22,7 @@ from sacpass.offload import clocks, plan_state
 from sacpass.offload.placement import Budgets, place_step
 from sacpass.offload.runtime import process_runtime
 from sacpass.testing import no_compile_caches
-from tests.support.helpers import assert_steps_match, eager_step
+from tests.support.helpers import assert_steps_match, eager_step, stashed_values_checked
 from tests.support.toy import CompiledStack
 
 RT = process_runtime()
@@ -91,6 +91,22 @@ def test_placement_by_region_under_several_budgets(gpu, host, device_by_region):
     for g in grads:  # the measuring step and the placed ones
         assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
     assert len(be.reports) == 1  # the layers share one graph: the placement differs, the graph does not
+
+
+def test_the_backward_reads_each_planned_value_as_the_forward_made_it_bit_for_bit(monkeypatch):
+    """What a plan keeps, on the device or through the host, is the forward's own value: the backward reads it
+    bit for bit, as without checkpointing (a recompute may round otherwise). The same check fails for a value
+    the runtime hands back changed."""
+    with stashed_values_checked(monkeypatch) as checked:
+        _, st, rows, _ = _run(_plan(REGION, 1 << 20), steps=2)
+    assert st.kept_bytes > 0 and st.offloaded_bytes > 0, st.format()
+    assert len(checked) == 2 * LAYERS * 7 and all(checked), checked
+    unstash = RT.__class__.unstash
+    monkeypatch.setattr(RT.__class__, "unstash", lambda self, *a, **k: unstash(self, *a, **k).add(0.0).nextafter(
+        torch.tensor(float("inf"))))
+    with stashed_values_checked(monkeypatch) as checked:
+        _run(_plan(REGION, 1 << 20), steps=1)
+    assert len(checked) == LAYERS * 7 and not any(checked), checked
 
 
 @pytest.mark.parametrize("gpu", [REGION, 2 * REGION, 3 * REGION + 100])

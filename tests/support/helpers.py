@@ -1,6 +1,8 @@
 """Shared test helpers: ONE similarity measure for FP8 (and other lossy) comparisons."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -44,3 +46,31 @@ def assert_steps_match(model, ids, reference: tuple[torch.Tensor, dict[str, torc
         torch.testing.assert_close(loss, loss_e, rtol=1e-5, atol=1e-5)
         for name, grad in grads_e.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@contextlib.contextmanager
+def stashed_values_checked(monkeypatch):
+    """Within it, every value a model plan stashes is copied as the forward stashes it and compared, bit for bit,
+    with what its backward unstashes (kept on the device or reloaded from the host). Yields the list of results,
+    one bool per unstashed value; a value stashed and never unstashed fails on exit."""
+    from sacpass.offload.runtime import Runtime
+
+    stash, unstash = Runtime.stash, Runtime.unstash
+    stashed, checked = {}, []
+
+    def checked_stash(self, x, *args, **kwargs):
+        handle = stash(self, x, *args, **kwargs)
+        stashed[int(handle[0])] = x.detach().clone()
+        return handle
+
+    def checked_unstash(self, handle, *args, **kwargs):
+        out = unstash(self, handle, *args, **kwargs)
+        expected = stashed.pop(int(handle[0]))
+        checked.append(out.dtype == expected.dtype and out.shape == expected.shape and out.stride() == expected.stride()
+                       and torch.equal(out.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)))
+        return out
+
+    monkeypatch.setattr(Runtime, "stash", checked_stash)
+    monkeypatch.setattr(Runtime, "unstash", checked_unstash)
+    yield checked
+    assert not stashed, f"{len(stashed)} stashed values never unstashed"
