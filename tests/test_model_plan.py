@@ -18,7 +18,7 @@ import torch
 
 import sacpass
 import sacpass.offload as rt
-from sacpass.offload import clocks, plan_state
+from sacpass.offload import clocks, placement, plan_state
 from sacpass.offload.placement import Budgets, place_step
 from sacpass.offload.runtime import process_runtime
 from sacpass.testing import no_compile_caches
@@ -41,6 +41,13 @@ def _step(model, x):
 
 def _x():
     return torch.randn(24, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def _steps_timed_alike(monkeypatch):
+    """A step's time on a shared CPU is noise: no larger device budget is taken back for measuring slower, but in
+    the tests of that rule (which script the clock)."""
+    monkeypatch.setattr(placement, "SLOWER", float("inf"))
 
 
 @pytest.fixture(autouse=True)
@@ -449,8 +456,11 @@ def test_a_peak_cap_raises_the_device_budget_to_what_the_measured_peak_leaves(mo
         grads, st, rows, _ = _run(plan, steps=4)
     assert [r["device_bytes"] for r in rows] == [0, 0, REGION, REGION]
     assert st.kept_bytes == 2 * REGION and st.offloaded_bytes == 2 * REGION
-    assert rt.device_budget(plan) == {"gpu_bytes": 0, "device_budget": 2 * REGION, "peak_bytes": BASE + 2 * REGION,
-                                      "peak_read": BASE + 2 * REGION}
+    budget = rt.device_budget(plan)
+    assert {k: budget[k] for k in ("gpu_bytes", "device_budget", "peak_bytes", "peak_read", "held_at")} == {
+        "gpu_bytes": 0, "device_budget": 2 * REGION, "peak_bytes": BASE + 2 * REGION, "peak_read": BASE + 2 * REGION,
+        "held_at": None}
+    assert sorted(budget["step_ms"]) == [0, 2 * REGION]  # the budget in hand measured before it rose
     last = rt.format_placements(plan).splitlines()[-1]
     assert last.startswith(f"device budget {2 * REGION / 2**30:.3f} GiB for the next step (from gpu_bytes 0.000; "
                            f"peak {(BASE + 2 * REGION) / 2**30:.3f} GiB read"), last
@@ -463,18 +473,19 @@ def test_a_peak_cap_grows_the_budget_no_further_than_every_value():
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 100 * REGION)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan_state, "device_peak", _peak_of(plan, 1))
-        _, st, rows, _ = _run(plan, steps=3)
+        _, st, rows, _ = _run(plan, steps=4)
     assert [r["device_bytes"] for r in rows] == [REGION] * LAYERS and st.offloaded_bytes == 0
     assert rt.device_budget(plan)["device_budget"] == LAYERS * REGION
 
 
 def test_a_step_past_the_peak_cap_lowers_the_budget_and_warns_at_gpu_bytes(monkeypatch):
-    """Kept values that cost twice their bytes at the peak: the second step passes the cap, the budget goes back
-    by the excess (to gpu_bytes), and the peak, the highest yet, moving no more, it stays there. A step past the
-    cap with the budget already at gpu_bytes warns, naming the fix."""
+    """Kept values that cost twice their bytes at the peak: the third step (the first at a raised budget, once
+    gpu_bytes was measured) passes the cap, the budget goes back by the excess (to gpu_bytes), and the peak, the
+    highest yet, moving no more, it stays there. A step past the cap with the budget already at gpu_bytes warns,
+    naming the fix."""
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
     monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 2))
-    _, _, rows, _ = _run(plan, steps=4)
+    _, _, rows, _ = _run(plan, steps=5)
     assert [r["device_bytes"] for r in rows] == [0] * LAYERS
     assert rt.device_budget(plan)["device_budget"] == 0
     plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
@@ -531,8 +542,9 @@ def test_a_peak_cap_without_a_device_peak_keeps_gpu_bytes():
     plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
     _, _, rows, _ = _run(plan)
     assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION]
-    assert rt.device_budget(plan) == {"gpu_bytes": REGION, "device_budget": REGION, "peak_bytes": BASE,
-                                      "peak_read": None}
+    budget = rt.device_budget(plan)
+    assert {k: budget[k] for k in ("gpu_bytes", "device_budget", "peak_bytes", "peak_read", "held_at")} == {
+        "gpu_bytes": REGION, "device_budget": REGION, "peak_bytes": BASE, "peak_read": None, "held_at": None}
     with pytest.raises(sacpass.OffloadError, match="not registered"):
         rt.device_budget(_plan(3 * REGION, 1 << 20, peak_bytes=BASE))
 
@@ -555,6 +567,53 @@ def test_the_peak_is_read_as_each_backward_ends_so_a_reset_between_steps_does_no
             highest[0] = BASE  # torch.cuda.reset_peak_memory_stats(): the peak is what is allocated now
     assert [r["device_bytes"] for r in rt.placements(plan)] == [0, 0, REGION, REGION]
     assert rt.device_budget(plan)["device_budget"] == 2 * REGION
+
+
+def _scripted_steps(monkeypatch, plan, region_ms_by_kept):
+    """Clock marks that make each step's regions take ``region_ms_by_kept(bytes the step keeps on the device)``
+    milliseconds each, forward and backward: a step's measured time follows its placement."""
+    now = [0.0]
+
+    def clock(device):
+        pl = RT.plans[plan.key]
+        kept = sum(n for where, n in pl.placed.values() if where == "device")
+        now[0] += region_ms_by_kept(kept) / 1e3
+        return now[0]
+    monkeypatch.setattr(clocks, "clock", clock)
+
+
+def test_a_larger_device_budget_that_measures_slower_is_given_back_and_held(monkeypatch):
+    """The peak leaves room for two regions on the device, but steps that keep them measure slower (scripted: 10
+    ms a region at no bytes kept, 12 ms with any kept): after one step at the larger budget the plan goes back to
+    gpu_bytes and holds there, though the peak would let it rise again; the readouts say so."""
+    monkeypatch.setattr(placement, "SLOWER", 0.02)
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
+    monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 0))  # the peak never nears the cap
+    _scripted_steps(monkeypatch, plan, lambda kept: 12.0 if kept else 10.0)
+    with no_compile_caches():
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        model = CompiledStack(be, LAYERS, 0)
+        kept = []
+        for _ in range(6):
+            rt.reset_stats()
+            _step(model, _x())
+            kept.append(rt.stats().kept_bytes)
+    # step 1 placed as values came, 2 measured at gpu_bytes, 3 raised by the cap's room, 4-6 held back
+    assert kept == [0, 0, 2 * REGION, 0, 0, 0], kept
+    budget = rt.device_budget(plan)
+    assert budget["held_at"] == 0 == budget["device_budget"], budget
+    assert set(budget["step_ms"]) == {0, 2 * REGION} and budget["step_ms"][2 * REGION] > budget["step_ms"][0]
+    assert rt.format_placements(plan).splitlines()[-1].startswith("held at 0.000 GiB: a larger device budget measured "
+                                                                  "slower")
+
+
+def test_a_larger_device_budget_that_measures_faster_is_kept(monkeypatch):
+    monkeypatch.setattr(placement, "SLOWER", 0.02)
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
+    monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 0))
+    _scripted_steps(monkeypatch, plan, lambda kept: 8.0 if kept else 10.0)
+    _, st, rows, _ = _run(plan, steps=5)  # each raise measured faster: it goes on rising, to every value
+    assert st.kept_bytes == LAYERS * REGION and rt.device_budget(plan)["held_at"] is None
 
 
 def test_each_region_s_copies_are_measured_beside_the_expected_time():

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sacpass
-from sacpass.offload.placement import (Budgets, follow_peak, later_device_bytes, place_arriving, place_step,
-                                       smallest_budgets)
+from sacpass.offload.placement import (SLOWER, Budgets, faster_budget, follow_peak, later_device_bytes,
+                                       place_arriving, place_step, smallest_budgets)
 from sacpass.offload.sizes import pool_bytes
 
 
@@ -128,3 +128,22 @@ def test_the_device_budget_follows_the_measured_peak():
     assert follow_peak(50, 0, cap, 130, 130, everything=1000).device_budget == 50  # the same old peak
     at_floor = follow_peak(5, 5, cap, 150, None, everything=1000)
     assert at_floor.device_budget == 5 and at_floor.at_floor_past_cap  # already at gpu_bytes: the plan warns
+
+
+def test_a_budget_that_measured_slower_than_a_smaller_one_goes_back_to_the_fastest():
+    assert faster_budget({0: 100.0}, 0) is None  # nothing smaller to compare with
+    assert faster_budget({0: 100.0, 8: 99.0}, 8) is None  # faster: kept
+    assert faster_budget({0: 100.0, 8: 100.0 / (1 - SLOWER) - 0.01}, 8) is None  # within the noise: kept
+    assert faster_budget({0: 100.0, 8: 103.0}, 8) == 0
+    assert faster_budget({0: 100.0, 4: 95.0, 8: 103.0}, 8) == 4  # the fastest of the smaller
+    assert faster_budget({0: 95.0, 4: 95.0, 8: 103.0}, 8) == 0  # on a tie, the smallest
+    assert faster_budget({0: 100.0, 8: 103.0}, 0) is None  # only smaller budgets are gone back to
+
+
+@given(st.dictionaries(st.integers(0, 1 << 40), st.floats(1.0, 1e4), min_size=1, max_size=8), st.data())
+def test_going_back_never_picks_a_slower_or_larger_budget(times, data):
+    budget = data.draw(st.sampled_from(sorted(times)))
+    back = faster_budget(times, budget)
+    if back is not None:
+        assert back < budget and times[back] < times[budget] * (1 - SLOWER)
+        assert all(times[back] <= ms for b, ms in times.items() if b < budget)

@@ -117,8 +117,10 @@ def placements(plan=None) -> list[dict]:
 
 def device_budget(plan) -> dict:
     """A model plan's device budget: ``gpu_bytes`` (where it started), ``device_budget`` (what the next step
-    keeps on the device), ``peak_bytes`` (the cap, or None) and ``peak_read`` (the device's peak allocated
-    memory as the last step's backward ended, or None before one has, or where there is none to read)."""
+    keeps on the device), ``peak_bytes`` (the cap, or None), ``peak_read`` (the device's peak allocated
+    memory as the last step's backward ended, or None before one has, or where there is none to read),
+    ``step_ms`` ({device budget: the fastest step measured at it, in its regions' forwards and backwards}) and
+    ``held_at`` (the budget the plan holds at because a larger one measured slower, or None)."""
     from ..plan import declared_plan
     if declared_plan(_key(plan)) is None:
         raise OffloadError(f"sacpass: {plan!r} is not registered: build a backend with it (sacpass.backend(plan="

@@ -9,7 +9,8 @@ host.
 
 The first step has no sizes from a step before: it places each value as it comes (:func:`place_arriving`), the
 regions still to come estimated as large as the largest before them, so its host pool grows no larger than the
-later steps need. :func:`follow_peak` moves the device budget by the step's measured peak.
+later steps need. :func:`follow_peak` moves the device budget by the step's measured peak, and
+:func:`faster_budget` takes it back where a larger budget measured slower than a smaller one.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..errors import OffloadError
 from .sizes import pool_bytes
 
 __all__ = ["Key", "Budgets", "place_step", "smallest_budgets", "later_device_bytes", "place_arriving", "follow_peak",
-           "PeakMove"]
+           "PeakMove", "faster_budget", "SLOWER"]
 
 Key = tuple[int, int]  # (region, index)
 DEVICE, HOST = "device", "host"
@@ -139,3 +140,20 @@ def follow_peak(device_budget: int, floor: int, cap: int, peak: int, peak_before
         lowered = max(floor, device_budget - (peak - cap))
         return PeakMove(lowered, lowered == device_budget)
     return PeakMove(device_budget, False)
+
+
+SLOWER = 0.02  # a step this much slower than one at a smaller device budget: the larger budget costs time
+
+
+def faster_budget(step_ms: Mapping[int, float], budget: int) -> int | None:
+    """After a step placed at device budget ``budget``: the smaller budget to go back to and hold at, where one
+    measured faster than ``budget`` by more than ``SLOWER`` (the fastest of them, the smallest on a tie); else None.
+    ``step_ms``: the fastest step measured at each budget, ``budget``'s included. Keeping a value on the device
+    instead of copying it should never cost time; where the measurement says it did (the allocator, bandwidth the
+    copies shared), the plan does not spend that memory."""
+    here = step_ms.get(budget)
+    below = [(ms, b) for b, ms in step_ms.items() if b < budget]
+    if here is None or not below:
+        return None
+    ms, smaller = min(below)
+    return smaller if ms < here * (1 - SLOWER) else None

@@ -4,7 +4,10 @@ before, and the step as it runs (what it recorded, placed and measured).
 Equal plans share one state (keyed by the plan's key). Each step is placed from the sizes the step before
 recorded (:func:`~sacpass.offload.placement.place_step`); the first, which has none, places values as they come
 (:func:`~sacpass.offload.placement.place_arriving`). With a peak cap the device budget follows the measured peak
-(:func:`~sacpass.offload.placement.follow_peak`), read as each backward ends.
+(:func:`~sacpass.offload.placement.follow_peak`), read as each backward ends; a budget rises only once the
+budget in hand has been measured (a step placed at it), and where a larger budget measured slower than a smaller
+one the plan goes back to the faster and holds there (:func:`~sacpass.offload.placement.faster_budget`): more
+budget never makes the step slower.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 
 from .. import compression
 from . import clocks
-from .placement import Budgets, Key, follow_peak, later_device_bytes, place_arriving, place_step
+from .placement import Budgets, Key, faster_budget, follow_peak, later_device_bytes, place_arriving, place_step
 from .sizes import packed_pool_bytes, pool_bytes
 from .timeline import Timeline
 
@@ -58,6 +61,9 @@ class PlanState:
     step_peak: int | None = None  # this step's: read at the end of each backward that unstashed its values
     task: int = -1  # the backward whose end is awaited (its final callback queued)
     warned: bool = False
+    placed_at: int | None = None  # this step's device budget, where it was placed from the step before's table
+    step_ms: dict[int, float] = field(default_factory=dict)  # device budget -> the fastest step measured at it
+    held: int | None = None  # the device budget never passed again: a larger one measured slower
 
     def __post_init__(self) -> None:
         if self.device_budget < 0:
@@ -71,10 +77,11 @@ class PlanState:
         forward whose backward never ran (an exception part way, an evaluation under grad) is not a step to
         place from: the next step is placed as it would have been without it."""
         if self.recording and self.timeline.backward_began:
-            self._follow_peak()
+            self._next_budget()
             self.table = place_step(self.recording, self.budgets(), self.host_sizes)
             self.last = dict(self.placed)
             self.last_timeline = self.timeline
+        self.placed_at = self.device_budget if self.table else None
         self.recording, self.host_sizes, self.placed, self.region_bytes = {}, {}, {}, {}
         self.host_used, self.device_used, self.timeline = 0, 0, Timeline()
 
@@ -105,6 +112,23 @@ class PlanState:
                 if peak is not None:
                     self.step_peak = max(self.step_peak or 0, peak)
         torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+    def _next_budget(self) -> None:
+        """The device budget of the next step: the peak's move (with a cap), taken back to a smaller budget that
+        measured faster and held there; raised only once the budget in hand has been measured (a raise is judged
+        against it)."""
+        ran_at = self.device_budget
+        self._follow_peak()
+        ms = self.timeline.regions_ms()
+        if self.placed_at is not None and ms is not None:
+            self.step_ms[self.placed_at] = min(ms, self.step_ms.get(self.placed_at, ms))
+            back = faster_budget(self.step_ms, self.placed_at)
+            if back is not None:
+                self.held = back if self.held is None else min(self.held, back)
+        if self.device_budget > ran_at and ran_at not in self.step_ms:
+            self.device_budget = ran_at
+        if self.held is not None:
+            self.device_budget = min(self.device_budget, self.held)
 
     def _follow_peak(self) -> None:
         peak, self.step_peak = self.step_peak, None

@@ -48,7 +48,7 @@ def placement_rows(states: list[PlanState]) -> list[dict]:
 
 def budget_of(state: PlanState) -> dict:
     return {"gpu_bytes": state.gpu_bytes, "device_budget": state.device_budget, "peak_bytes": state.peak_bytes,
-            "peak_read": state.peak_read}
+            "peak_read": state.peak_read, "held_at": state.held, "step_ms": dict(sorted(state.step_ms.items()))}
 
 
 def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
@@ -67,4 +67,8 @@ def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
         read = "none read yet" if b["peak_read"] is None else f"{b['peak_read'] / gib:.3f} GiB read"
         lines.append(f"device budget {b['device_budget'] / gib:.3f} GiB for the next step (from gpu_bytes "
                      f"{b['gpu_bytes'] / gib:.3f}; peak {read}, cap {b['peak_bytes'] / gib:.3f})")
+        if b["held_at"] is not None:
+            measured = ", ".join(f"{budget / gib:.3f} GiB {ms:.1f} ms" for budget, ms in b["step_ms"].items())
+            lines.append(f"held at {b['held_at'] / gib:.3f} GiB: a larger device budget measured slower (the fastest "
+                         f"step in its regions at each budget: {measured})")
     return "\n".join(lines)

@@ -37,3 +37,11 @@ class Timeline:
         order = sorted(began, reverse=True)  # backward order
         return {p: elapsed_ms(began[p], began[q] if q is not None else self.backward_ended)
                 for p, q in zip(order, order[1:] + [None])}
+
+    def regions_ms(self) -> float | None:
+        """The step's measured time in its regions: every region's backward and every forward but the first's
+        (which has no start mark); None when a backward has no end mark."""
+        backwards = self.backward_ms()
+        if not backwards or any(ms is None for ms in backwards.values()):
+            return None
+        return sum(backwards.values()) + sum(ms for ms in self.forward_ms().values() if ms is not None)
