@@ -369,7 +369,9 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
                        "kept_on_device_gib_per_step": st.kept_bytes / args.steps / 2 ** 30,
                        "packed_gib_per_step": st.packed_bytes / args.steps / 2 ** 30},
            "decisions": [dict(graph=r.graph, **dataclasses.asdict(d)) for r in reports for d in r.decisions],
-           "recomputed_per_graph": [dict(r.recomputed) for r in reports]}
+           "recomputed_per_graph": [dict(r.recomputed) for r in reports],
+           # per graph: {budget: (values the planner recomputes for want of it, their estimated ms)}
+           "recompute_bounds_per_graph": [r.recompute_bounds() for r in reports]}
     if isinstance(plan, sacpass.ModelPlan):
         cost = plan.cost
         row["plan"] = {"layers": plan.layers, "gpu_bytes": plan.gpu_bytes, "host_bytes": plan.host_budget(),

@@ -17,8 +17,8 @@ from typing import IO, Any, Callable, Mapping
 
 from .errors import DumpError
 
-__all__ = ["SavedTensor", "Decision", "Report", "REPORT_VERSION", "REASONS", "format_report", "print_report",
-           "saved_table", "format_bytes"]
+__all__ = ["SavedTensor", "Decision", "Report", "REPORT_VERSION", "REASONS", "BOUNDS", "format_report",
+           "print_report", "saved_table", "format_bytes"]
 
 REPORT_VERSION = 2
 
@@ -69,6 +69,14 @@ class Decision:
     why: str  # one line: the rule that decided
     form: tuple[str, ...] = ()  # kept in its place: the nodes of its smaller exact form (empty: the node itself)
     exact: str = ""  # the ModelPlan(exact=) selector that names it (sent to the host unpacked), if one does
+    bound: str = ""  # a recomputed one: the budget that left no room to keep it (one of BOUNDS)
+
+
+# what kept a planned value from being kept (Decision.bound of a recompute): raise it to keep more
+HOST_BOUND = "host budget"  # the device budget was spent and the host budget could not hold it
+COPY_BOUND = "copy window"  # its copy would not hide under the region's compute (Plan.hide)
+SIZE_BOUND = "min_offload_bytes"  # smaller than a copy is worth, and the device budget was spent
+BOUNDS = (HOST_BOUND, COPY_BOUND, SIZE_BOUND)
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,16 @@ class Report:
         for s in self.saved:
             out[s.reason] += s.bytes
         return dict(sorted(out.items()))
+
+    def recompute_bounds(self) -> dict[str, tuple[int, float]]:
+        """{bound: (values the planner left to recompute for it, their estimated recompute ms)}: what a larger
+        budget of each kind would buy back, per run of this graph."""
+        out: dict[str, tuple[int, float]] = {}
+        for d in self.decisions:
+            if d.action == "recompute" and d.bound:
+                n, ms = out.get(d.bound, (0, 0.0))
+                out[d.bound] = (n + 1, ms + d.recompute_ms)
+        return out
 
     def saved_ops(self) -> list[str]:
         return [s.op for s in self.saved]
@@ -265,6 +283,9 @@ def format_report(report: Report, *, verbose: bool = False) -> str:
     if report.decisions:
         by_action = Counter(d.action for d in report.decisions)
         lines.append("planned: " + ", ".join(f"{n} {a}" for a, n in sorted(by_action.items())))
+        if bounds := report.recompute_bounds():
+            lines.append("recomputed for want of: " + ", ".join(f"{bound} ({n} values, {ms:.3f} ms)"
+                                                                 for bound, (n, ms) in sorted(bounds.items())))
         if verbose:
             for d in report.decisions:
                 form = f" as {', '.join(d.form)}" if d.form and d.action in ("save", "offload") else ""

@@ -239,6 +239,30 @@ def test_planner_offloads_under_the_host_budget_and_explains_each_choice():
         assert max(d.recompute_ms / d.bytes for d in rec) <= max(d.recompute_ms / d.bytes for d in kept)
 
 
+def test_each_recompute_names_the_budget_that_left_no_room_for_it():
+    """A recomputed value says which budget would have kept it, and the report sums them: with no host budget,
+    the host; with a copy window too small for any copy, the window; with min_offload_bytes above every value,
+    that floor. The bounds' estimated times are the recomputed values' own."""
+    from sacpass.report import COPY_BOUND, HOST_BOUND, SIZE_BOUND
+
+    torch.manual_seed(0)
+    model, x = TwoRegions(), torch.randn(24, 32)
+    slow_copies = sacpass.CostModel(copy_bytes_per_s=1.0)
+    for plan, bound in ((sacpass.Plan(host_bytes=0, min_offload_bytes=0), HOST_BOUND),
+                        (sacpass.Plan(host_bytes=1 << 30, min_offload_bytes=0, cost=slow_copies), COPY_BOUND),
+                        (sacpass.Plan(host_bytes=1 << 30, min_offload_bytes=1 << 30), SIZE_BOUND)):
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        _run(be, model, x)
+        (rep,) = be.reports
+        recomputed = [d for d in rep.decisions if d.action == "recompute"]
+        assert recomputed and {d.bound for d in recomputed} == {bound}, rep.format(verbose=True)
+        assert all(d.bound == "" for d in rep.decisions if d.action != "recompute")
+        n, ms = rep.recompute_bounds()[bound]
+        assert n == len(recomputed) and ms == pytest.approx(sum(d.recompute_ms for d in recomputed))
+        assert f"recomputed for want of: {bound} ({n} values" in rep.format()
+        assert sacpass.Report.from_json(rep.to_json()).recompute_bounds() == rep.recompute_bounds()
+
+
 def test_plan_auto_and_bad_plans():
     assert sacpass.backend(plan="auto").config.plan == sacpass.ModelPlan()
     with pytest.raises(sacpass.BackendOptionError, match="plan='auto'"):

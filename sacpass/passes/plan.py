@@ -39,7 +39,7 @@ from ..calibration import op_signature
 from ..compression import packed_bytes
 from ..offload.sizes import host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
-from ..report import BUDGET, MIN_CUT, PLAN, Decision
+from ..report import BUDGET, COPY_BOUND, HOST_BOUND, MIN_CUT, PLAN, SIZE_BOUND, Decision
 from .tag_policy import EXACT_KEY, OFFLOAD, OFFLOAD_KEY, TagResult
 
 __all__ = ["plan_pass", "PlanResult", "release_regions", "activation_inputs", "node_seconds", "expected_ms",
@@ -469,6 +469,7 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
             (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else "")
         on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress and not named)
         copy_ms = 1e3 * cost.copy_seconds(copied)
+        bound = ""
         if c.nbytes <= gpu_left:
             gpu_left -= c.nbytes
             action, why = "save", "fits the device budget"
@@ -487,14 +488,14 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
         else:
             action = "recompute"
             if c.nbytes < plan.min_offload_bytes:
-                why = f"device budget spent; under min_offload_bytes ({plan.min_offload_bytes})"
+                why, bound = f"device budget spent; under min_offload_bytes ({plan.min_offload_bytes})", SIZE_BOUND
             elif on_host > host_left:
-                why = "device and host budgets spent"
+                why, bound = "device and host budgets spent", HOST_BOUND
             else:
-                why = "device budget spent; the copy window is full"
+                why, bound = "device budget spent; the copy window is full", COPY_BOUND
         if c.form is not None:
             why += f"; its smaller exact form {', '.join(f.name for f in c.form)} is what the backward needs"
         decisions.append(Decision(name=c.node.name, op=op_name(c.node), module=module_path(c.node), bytes=c.nbytes,
                                   action=action, recompute_ms=1e3 * c.seconds, copy_ms=copy_ms, why=why,
-                                  form=tuple(f.name for f in c.form or ()), exact=named))
+                                  form=tuple(f.name for f in c.form or ()), exact=named, bound=bound))
     return tuple(decisions)
