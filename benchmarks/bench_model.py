@@ -7,7 +7,8 @@ The model is ``GLM52ForCausalLM(GLM52Config.bench(num_layers=N, mtp_layers=0))``
 routed experts (the bench preset's FP8 recipe; ``--experts bf16`` for bf16 routed experts) and the TileLang kernels:
 full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder layer is
 compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from the same seed,
-one compiling step, ``--warmup`` more, then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
+one compiling step, ``--warmup`` more (a model plan: up to ``--settle`` more while its device budget still moves,
+``settle_steps``), then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
 allocated memory of the timed steps, the host bytes offloaded and how much of the reload was prefetched, the
 backward top-k runs, the loss, and per compiled graph the planner's decisions (each value's bytes, action and
 estimated recompute and copy time) and the ops its backward recomputes.
@@ -313,6 +314,26 @@ def segment_growth(before: dict, after: dict) -> list[dict]:
     return out
 
 
+def settle(model, ids, plan, most: int) -> int:
+    """More warm-up steps, at most ``most``, while a model plan's device budget still moves (one following the
+    measured peak rises step by step from 0): the timed steps then run the budget the plan settled at. Returns the
+    steps run."""
+    if not isinstance(plan, sacpass.ModelPlan):
+        return 0
+    def budget():
+        try:
+            return offload_runtime.device_budget(plan)["device_budget"]
+        except sacpass.SacpassError:  # a plan not yet compiled (its counted step only)
+            return None
+
+    for n in range(most):
+        before = budget()
+        step(model, ids)
+        if before is not None and budget() == before:
+            return n + 1
+    return most
+
+
 def measure(args, spec, make_backend, device, dtype) -> dict:
     name, param, _ = split_variant(spec)
     torch._dynamo.reset()
@@ -336,6 +357,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step(model, ids)
+    settled = settle(model, ids, getattr(getattr(be, "config", None), "plan", None), args.settle)
     sync()
     if device.type == "cuda":
         model.zero_grad(set_to_none=True)
@@ -352,6 +374,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
     st = offload_runtime.stats()
     plan = getattr(getattr(be, "config", None), "plan", None)
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
+           "settle_steps": settled,
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
            "fp8_experts": model.cfg.fp8_experts,
            "graphs": len(reports), "saved_activation_gib_per_graph": [r.activation_bytes / 2 ** 30 for r in reports],
@@ -411,6 +434,8 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", default="control,sacpass,plan")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--settle", type=int, default=6,
+                   help="a model plan: up to this many more warm-up steps while its device budget still moves")
     p.add_argument("--host-gib", type=float, default=4.0, help="planner host budget per layer (GiB)")
     p.add_argument("--budget", type=float, default=0.1, help="memory_budget of the budget and pytorch_budget variants")
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
