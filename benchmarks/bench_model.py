@@ -137,8 +137,9 @@ def step(model, ids) -> torch.Tensor:
 
 
 def profile_step(model, ids, sync) -> dict:
-    """One step under the profiler, from its CUDA timeline: kernel time by kind, copy time each way, and the
-    copy time no kernel ran beside (not hidden)."""
+    """One step under the profiler, from its CUDA timeline: kernel time by kind, copy time each way, the copy time
+    no kernel ran beside (not hidden), and the GPU's idle time between kernels: the gaps over 1 ms, the largest
+    with when they began (ms from the step's first kernel)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -149,6 +150,11 @@ def profile_step(model, ids, sync) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
+    return timeline_summary(events)
+
+
+def timeline_summary(events: list[dict]) -> dict:
+    """:func:`profile_step`'s figures from a Chrome trace's events (times in microseconds)."""
     kernels, copies = [], {"HtoD": [], "DtoH": []}
     by_kind: dict = {}
     for e in events:
@@ -187,8 +193,13 @@ def profile_step(model, ids, sync) -> dict:
             total += (b - a) - covered
         return total
 
+    gaps = sorted(((b[0] - a[1], a[1]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] > 1e3), reverse=True)
     return {"kernel_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items())},
             "kernel_busy_ms": sum(b - a for a, b in busy) / 1e3,
+            # the GPU idle between its first kernel and its last: waits (a reload, a host sync) and launch gaps
+            "kernel_span_ms": (busy[-1][1] - busy[0][0]) / 1e3 if busy else 0.0,
+            "idle_over_1ms": {"count": len(gaps), "ms": sum(g for g, _ in gaps) / 1e3,
+                              "largest_ms_at": [(g / 1e3, (at - busy[0][0]) / 1e3) for g, at in gaps[:8]]},
             "copy_ms": {w: sum(b - a for a, b in merged(c)) / 1e3 for w, c in copies.items()},
             "copy_not_hidden_ms": {w: unhidden(c) / 1e3 for w, c in copies.items()}}
 
