@@ -17,7 +17,9 @@ Variants: ``control`` (full recompute: sacpass with no policy at all, i.e. PyTor
 that recompute every op, the top-k included), ``sacpass`` (the default backend), ``offload_ids`` (the top-k
 IDs offloaded), ``plan`` (``sacpass.Plan(host_bytes=--host-gib per layer)``), ``budget`` (``memory_budget``), and
 ``pytorch_budget``: PyTorch's own solver alone (no checkpoint, Inductor under
-``torch._functorch.config.activation_memory_budget=--budget``), and ``model_plan``
+``torch._functorch.config.activation_memory_budget=--budget``; its dynamic-programming knapsack, or with
+``pytorch_budget_ilp`` its integer linear program (scipy's ``milp``) and ``pytorch_budget_greedy`` its greedy one),
+and ``model_plan``
 (``sacpass.ModelPlan(layers=--layers, gpu_bytes=--gpu-gib, host_bytes=--step-host-gib, peak_bytes=--peak-gib)``:
 one plan for all layers, placed per layer at run time; ``--peak-gib control`` caps the peak at control's, measured
 first in the same command); ``model_plan_auto`` is ``sacpass.ModelPlan()`` with no arguments but ``--peak-gib``
@@ -108,7 +110,13 @@ def backends(args) -> dict:
             peak_bytes=peak_bytes(args), compress="fp8", exact=exact_values(args))),
         "budget": lambda x: sacpass.backend(inner=inner, memory_budget=args.budget if x is None else x),
         "pytorch_budget": lambda _: inner,
+        "pytorch_budget_ilp": lambda _: inner,
+        "pytorch_budget_greedy": lambda _: inner,
     }
+
+
+# the pytorch_budget variants: PyTorch's knapsack solver each runs (torch._functorch.config.activation_memory_budget_solver)
+PYTORCH_SOLVERS = {"pytorch_budget": "dp", "pytorch_budget_ilp": "ilp", "pytorch_budget_greedy": "greedy"}
 
 
 def split_variant(spec: str) -> tuple[str, float | None, int | None | str]:
@@ -351,9 +359,10 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
     model = build(args, device, dtype)
     be = make_backend(param)
     budget = contextlib.nullcontext()
-    if name == "pytorch_budget":              # PyTorch's solver alone: no checkpoint, its budget
+    if name in PYTORCH_SOLVERS:  # PyTorch's solver alone: no checkpoint, its budget
         apply_ac(model, False)
-        budget = functorch_config.patch(activation_memory_budget=args.budget if param is None else param)
+        budget = functorch_config.patch(activation_memory_budget=args.budget if param is None else param,
+                                        activation_memory_budget_solver=PYTORCH_SOLVERS[name])
     apply_compile(model, backend=be)
     reports = getattr(be, "reports", ())
     ids = torch.randint(0, model.cfg.vocab_size, (1, args.seq), device=device,
