@@ -9,7 +9,8 @@ full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every
 compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from the same seed,
 one compiling step, ``--warmup`` more (a model plan: up to ``--settle`` more while its device budget still moves,
 ``settle_steps``), then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
-allocated memory of the timed steps, the host bytes offloaded and how much of the reload was prefetched, the
+allocated memory of the timed steps, the caching allocator's retries and driver allocations in each
+(``allocator_per_step``), the host bytes offloaded and how much of the reload was prefetched, the
 backward top-k runs, the loss, and per compiled graph the planner's decisions (each value's bytes, action and
 estimated recompute and copy time) and the ops its backward recomputes.
 
@@ -333,6 +334,20 @@ def segment_growth(before: dict, after: dict) -> list[dict]:
     return out
 
 
+ALLOCATOR_COUNTS = {"alloc_retries": "num_alloc_retries", "cuda_mallocs": "num_device_alloc",
+                    "cuda_frees": "num_device_free", "ooms": "num_ooms"}
+
+
+def allocator_counts(device) -> dict[str, int]:
+    """The CUDA caching allocator's counters (torch.cuda.memory_stats): allocations it retried after freeing its
+    cache (each a device synchronisation), segments it asked the driver for and gave back. A step near the card's
+    memory shows there; the timed steps' deltas go in the row. Empty on the CPU."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTS.items()}
+
+
 def settle(model, ids, plan, most: int) -> int:
     """More warm-up steps, at most ``most``, while a model plan's device budget still moves (one following the
     measured peak rises step by step from 0): the timed steps then run the budget the plan settled at. Returns the
@@ -385,16 +400,19 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     offload_runtime.reset_stats()
-    times, loss = [], first
+    times, loss, allocator = [], first, []
     for _ in range(args.steps):
+        before = allocator_counts(device)
         a = time.perf_counter()
         loss = step(model, ids)
         sync()
         times.append((time.perf_counter() - a) * 1e3)
+        after = allocator_counts(device)
+        allocator.append({k: after[k] - before[k] for k in after})
     st = offload_runtime.stats()
     plan = getattr(getattr(be, "config", None), "plan", None)
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
-           "settle_steps": settled,
+           "settle_steps": settled, "allocator_per_step": allocator,
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
            "fp8_experts": model.cfg.fp8_experts,
            "graphs": len(reports), "saved_activation_gib_per_graph": [r.activation_bytes / 2 ** 30 for r in reports],

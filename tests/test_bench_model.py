@@ -75,3 +75,13 @@ def test_the_profile_counts_kernels_copies_not_hidden_and_the_gpu_s_idle_gaps():
     assert s["kernel_busy_ms"] == 4.5 and s["kernel_span_ms"] == 8.0
     assert s["idle_over_1ms"] == {"count": 1, "ms": 3.0, "largest_ms_at": [(3.0, 4.0)]}
     assert s["copy_ms"] == {"HtoD": 2.5, "DtoH": 0.5} and s["copy_not_hidden_ms"] == {"HtoD": 2.0, "DtoH": 0.0}
+
+
+def test_the_allocator_counters_are_read_on_a_gpu_and_empty_on_the_cpu(monkeypatch):
+    import torch
+
+    assert bench_model.allocator_counts(torch.device("cpu")) == {}
+    stats = {"num_alloc_retries": 3, "num_device_alloc": 40, "num_device_free": 7}  # no num_ooms: an older torch
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert bench_model.allocator_counts(torch.device("cuda", 0)) == {
+        "alloc_retries": 3, "cuda_mallocs": 40, "cuda_frees": 7, "ooms": 0}
