@@ -607,6 +607,36 @@ def test_a_larger_device_budget_that_measures_slower_is_given_back_and_held(monk
                                                                   "slower")
 
 
+def test_a_loop_that_runs_ahead_of_its_device_is_timed_a_step_late(monkeypatch):
+    """A training loop ahead of its GPU: a step's timing events are still running when the next step begins, so
+    each step is read one step later. The budget still rises once gpu_bytes is timed (a step later than with the
+    events done), and a larger budget that measured slower is still given back and held."""
+    from sacpass.offload.timeline import Timeline
+
+    monkeypatch.setattr(placement, "SLOWER", 0.02)
+    regions_ms = Timeline.regions_ms
+
+    def read_late(self):  # the first read of each step finds its work running
+        if not getattr(self, "read_once", False):
+            self.read_once = True
+            return None
+        return regions_ms(self)
+    monkeypatch.setattr(Timeline, "regions_ms", read_late)
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
+    monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 0))
+    _scripted_steps(monkeypatch, plan, lambda kept: 12.0 if kept else 10.0)
+    with no_compile_caches():
+        model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
+        kept = []
+        for _ in range(7):
+            rt.reset_stats()
+            _step(model, _x())
+            kept.append(rt.stats().kept_bytes)
+    # 1 placed as values came; 2 at gpu_bytes, read at the start of 4; 4 raised; read at the start of 6: held
+    assert kept == [0, 0, 0, 2 * REGION, 2 * REGION, 0, 0], kept
+    assert rt.device_budget(plan)["held_at"] == 0
+
+
 def test_a_larger_device_budget_that_measures_faster_is_kept(monkeypatch):
     monkeypatch.setattr(placement, "SLOWER", 0.02)
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)

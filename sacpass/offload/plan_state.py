@@ -25,6 +25,8 @@ from .timeline import Timeline
 
 __all__ = ["PlanState", "device_peak"]
 
+UNMEASURED = 4  # steps whose timing events are still running, kept to read later (older ones are dropped)
+
 
 def device_peak(device: tuple[str, int]) -> int | None:
     """The device's peak allocated memory (since the process began or the last reset_peak_memory_stats), where
@@ -64,6 +66,7 @@ class PlanState:
     placed_at: int | None = None  # this step's device budget, where it was placed from the step before's table
     step_ms: dict[int, float] = field(default_factory=dict)  # device budget -> the fastest step measured at it
     held: int | None = None  # the device budget never passed again: a larger one measured slower
+    unmeasured: list = field(default_factory=list)  # (device budget, timeline) of steps whose timing is not read yet
 
     def __post_init__(self) -> None:
         if self.device_budget < 0:
@@ -119,16 +122,29 @@ class PlanState:
         against it)."""
         ran_at = self.device_budget
         self._follow_peak()
-        ms = self.timeline.regions_ms()
-        if self.placed_at is not None and ms is not None:
-            self.step_ms[self.placed_at] = min(ms, self.step_ms.get(self.placed_at, ms))
-            back = faster_budget(self.step_ms, self.placed_at)
-            if back is not None:
-                self.held = back if self.held is None else min(self.held, back)
+        if self.placed_at is not None:
+            self.unmeasured.append((self.placed_at, self.timeline))
+        self._measure()
         if self.device_budget > ran_at and ran_at not in self.step_ms:
             self.device_budget = ran_at
         if self.held is not None:
             self.device_budget = min(self.device_budget, self.held)
+
+    def _measure(self) -> None:
+        """Time the steps placed from a table whose device work is done (a GPU step's timing events are read
+        once complete, never waited for: a loop that runs ahead of its GPU has them a step or two later), and
+        hold at a smaller budget where one measured faster."""
+        waiting = []
+        for budget, timeline in self.unmeasured:
+            ms = timeline.regions_ms()
+            if ms is None:
+                waiting.append((budget, timeline))
+                continue
+            self.step_ms[budget] = min(ms, self.step_ms.get(budget, ms))
+            back = faster_budget(self.step_ms, budget)
+            if back is not None:
+                self.held = back if self.held is None else min(self.held, back)
+        self.unmeasured = waiting[-UNMEASURED:]
 
     def _follow_peak(self) -> None:
         peak, self.step_peak = self.step_peak, None

@@ -40,8 +40,9 @@ class Timeline:
 
     def regions_ms(self) -> float | None:
         """The step's measured time in its regions: every region's backward and every forward but the first's
-        (which has no start mark); None when a backward has no end mark."""
-        backwards = self.backward_ms()
-        if not backwards or any(ms is None for ms in backwards.values()):
+        (which has no start mark); None when a mark is missing or its work still runs on the device."""
+        backwards, forwards = self.backward_ms(), self.forward_ms()
+        forwards.pop(min(forwards, default=None), None)  # the first region's: no start mark
+        if not backwards or any(ms is None for ms in [*backwards.values(), *forwards.values()]):
             return None
-        return sum(backwards.values()) + sum(ms for ms in self.forward_ms().values() if ms is not None)
+        return sum(backwards.values()) + sum(forwards.values())
