@@ -27,7 +27,8 @@ first in the same command); ``model_plan_auto`` is ``sacpass.ModelPlan()`` with 
 (its first step runs the policy alone while it counts the layers; the plan compiles in the first warm-up step);
 ``model_plan_fp8`` is the same as ``model_plan`` with ``compress="fp8"`` and ``model_plan_auto_fp8`` as
 ``model_plan_auto`` (lossy: the values sent to the host go FP8-packed, but for those ``--exact`` names, by default
-those the backward is sensitive to; compare its loss with control's). ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
+those the backward is sensitive to; compare its loss with control's).
+``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
 profiled step per variant: kernel time by kind and the copy time no kernel ran beside, from the CUDA timeline;
@@ -116,7 +117,8 @@ def backends(args) -> dict:
     }
 
 
-# the pytorch_budget variants: PyTorch's knapsack solver each runs (torch._functorch.config.activation_memory_budget_solver)
+# the pytorch_budget variants: the knapsack solver of PyTorch's each runs
+# (torch._functorch.config.activation_memory_budget_solver)
 PYTORCH_SOLVERS = {"pytorch_budget": "dp", "pytorch_budget_ilp": "ilp", "pytorch_budget_greedy": "greedy"}
 
 
