@@ -23,20 +23,13 @@ from sacpass.offload.placement import Budgets, place_step
 from sacpass.offload.runtime import process_runtime
 from sacpass.testing import no_compile_caches
 from tests.support.helpers import assert_steps_match, eager_step, stashed_values_checked
-from tests.support.toy import CompiledStack
+from tests.support.toy import CompiledStack, stack_step
 
 RT = process_runtime()
 LAYERS = 4
 VALUES = 18816  # bytes a toy layer's planned values take (6 values: 5 of 3072 or 6144 bytes, one of 384)
 INPUT = 24 * 32 * 4  # its activation input, placed too (a model plan's default)
 REGION = VALUES + INPUT
-
-
-def _step(model, x):
-    model.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_(True)
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
 
 
 def _x():
@@ -66,12 +59,12 @@ def _run(plan, steps=3):
         out = []
         for _ in range(steps):
             rt.reset_stats()
-            out.append(_step(model, _x()))
+            out.append(stack_step(model, _x()))
         return out, rt.stats(), rt.placements(plan), be
 
 
 def _eager():
-    return _step(CompiledStack("eager", LAYERS, 0), _x())
+    return stack_step(CompiledStack("eager", LAYERS, 0), _x())
 
 
 def _plan(gpu, host, **kw):
@@ -159,7 +152,7 @@ def test_a_step_past_the_budgets_raises_naming_the_smallest_that_hold_it():
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
         with pytest.raises(sacpass.OffloadError, match=r"more regions than layers=2 \(pass the real count\)"):
-            _step(model, _x())
+            stack_step(model, _x())
     assert rt.stats().host_bytes_alive == 0 and not RT.stashes.items
 
 
@@ -183,7 +176,7 @@ def test_a_second_backward_through_a_value_kept_on_the_device_is_refused():
 
     with no_compile_caches(), functorch_config.patch(donated_buffer=False):  # donated buffers refuse it anyway
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=_plan(4 * REGION + 4096, 0)), LAYERS, 0)
-        _step(model, _x())
+        stack_step(model, _x())
         x = _x().requires_grad_(True)
         loss = model(x).square().sum()
         loss.backward(retain_graph=True)
@@ -219,7 +212,7 @@ def test_inductor_runs_every_stash_after_the_forward_s_work_and_grads_match():
 
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="inductor", plan=_plan(REGION, 1 << 20)), LAYERS, 0)
-        grads, codes = run_and_get_code(lambda: [_step(model, _x()) for _ in range(3)])
+        grads, codes = run_and_get_code(lambda: [stack_step(model, _x()) for _ in range(3)])
     forward = next(c for c in codes if "sacpass.stash.default(" in c)
     body = forward[forward.index("def call("):].splitlines()
     stashes = [i for i, line in enumerate(body) if "sacpass.stash.default(" in line]
@@ -242,7 +235,7 @@ def test_a_dynamic_shape_compile_places_its_values_and_matches_eager(inner):
         eager = CompiledStack("eager", LAYERS, 0)
         for rows in (24, 25, 26, 24):
             x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
-            grads, ref = _step(model, x), _step(eager, x)
+            grads, ref = stack_step(model, x), stack_step(eager, x)
             assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(grads, ref)), rows
     dynamic = [r for r in be.results if any(isinstance(n.meta.get("val"), torch.SymInt)
                                             for n in r.backward.graph.find_nodes(op="placeholder"))]
@@ -355,7 +348,7 @@ def test_activation_inputs_are_placed_like_the_planned_values(gpu, host, inputs,
     with no_compile_caches():
         be = sacpass.backend(inner="aot_eager", plan=plan)
         model = CompiledStack(be, LAYERS, 0)
-        _step(model, _x())                                   # the measuring step
+        stack_step(model, _x())                                   # the measuring step
         model.zero_grad(set_to_none=True)
         x = _x().requires_grad_(True)
         out, refs = _forward_keeping_input_refs(model, x)
@@ -376,7 +369,7 @@ def test_activation_inputs_are_placed_like_the_planned_values(gpu, host, inputs,
 def test_a_kept_input_written_in_place_before_the_backward_is_refused():
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=_plan(4 * REGION + 4096, 0)), LAYERS, 0)
-        _step(model, _x())
+        stack_step(model, _x())
         x = _x().requires_grad_(True)
         h = x * 1.0
         loss = model(h).square().sum()
@@ -504,14 +497,14 @@ def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_place
     monkeypatch.setattr(plan_state, "device_peak", lambda device: BASE + 10 * REGION)
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
-        _step(model, _x())
+        stack_step(model, _x())
         with warnings.catch_warnings():
             warnings.simplefilter("error", sacpass.SacpassWarning)
             with pytest.raises(sacpass.SacpassWarning, match="the least it keeps"):
-                _step(model, _x())
+                stack_step(model, _x())
         gc.collect()  # the traceback's frames held the aborted forward's handles (a new step starts once they go)
         assert rt.device_budget(plan)["peak_read"] == BASE + 10 * REGION
-        grads = _step(model, _x())
+        grads = stack_step(model, _x())
     rows = rt.placements(plan)
     assert [r["region"] for r in rows] == list(range(LAYERS))
     assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION], rows
@@ -524,12 +517,12 @@ def test_a_forward_whose_backward_never_ran_does_not_place_the_next_step():
     plan = _plan(REGION, 1 << 20)
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
-        _step(model, torch.randn(25, 32))  # the second size compiles one graph for every batch size (dynamic)
+        stack_step(model, torch.randn(25, 32))  # the second size compiles one graph for every batch size (dynamic)
         for _ in range(3):  # compiled, then placed from a step of that graph
-            _step(model, _x())
+            stack_step(model, _x())
         placed = [(r["device_bytes"], r["host_bytes"]) for r in rt.placements(plan)]
         model(torch.cat([_x(), _x()])).sum()  # its graph goes at once; its values with it
-        grads = _step(model, _x())
+        grads = stack_step(model, _x())
     rows = rt.placements(plan)
     assert [(r["device_bytes"], r["host_bytes"]) for r in rows] == placed, rows
     assert placed[3][1] == 0 and all(host > 0 for _, host in placed[:3]), placed
@@ -596,7 +589,7 @@ def test_a_larger_device_budget_that_measures_slower_is_given_back_and_held(monk
         kept = []
         for _ in range(6):
             rt.reset_stats()
-            _step(model, _x())
+            stack_step(model, _x())
             kept.append(rt.stats().kept_bytes)
     # step 1 placed as values came, 2 measured at gpu_bytes, 3 raised by the cap's room, 4-6 held back
     assert kept == [0, 0, 2 * REGION, 0, 0, 0], kept
@@ -630,7 +623,7 @@ def test_a_loop_that_runs_ahead_of_its_device_is_timed_a_step_late(monkeypatch):
         kept = []
         for _ in range(7):
             rt.reset_stats()
-            _step(model, _x())
+            stack_step(model, _x())
             kept.append(rt.stats().kept_bytes)
     # 1 placed as values came; 2 at gpu_bytes, read at the start of 4; 4 raised; read at the start of 6: held
     assert kept == [0, 0, 0, 2 * REGION, 2 * REGION, 0, 0], kept

@@ -14,20 +14,13 @@ from sacpass.offload.runtime import process_runtime
 from sacpass.plan import default_host_bytes
 from sacpass.testing import OpCounter, no_compile_caches
 from tests.support.helpers import assert_steps_match, eager_step
-from tests.support.toy import TOY_TOPK_OPS, CompiledStack
+from tests.support.toy import TOY_TOPK_OPS, CompiledStack, stack_step
 
 LAYERS = 4
 
 
 def _x(rows=24, seed=1):
     return torch.randn(rows, 32, generator=torch.Generator().manual_seed(seed))
-
-
-def _step(model, x):
-    model.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_(True)
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
 
 
 def _close(a, b):
@@ -56,19 +49,19 @@ def fixed_rates(monkeypatch):
 
 
 def test_the_first_step_runs_the_policy_alone_and_counts_the_regions_then_the_plan_compiles(fixed_rates):
-    ref = _step(CompiledStack("eager", LAYERS, 0), _x())
+    ref = stack_step(CompiledStack("eager", LAYERS, 0), _x())
     with no_compile_caches():
         be = sacpass.backend(inner="aot_eager", plan=sacpass.ModelPlan(min_offload_bytes=0))
         model = CompiledStack(be, LAYERS, 0)
         with OpCounter(*TOY_TOPK_OPS) as first:
-            grads = [_step(model, _x())]
+            grads = [stack_step(model, _x())]
         assert not be.plan.resolved and first.backward == 0  # compiled: the top-k kept, never run again
         (measuring,) = be.reports  # the policy alone: no planner, nothing offloaded or stashed
         assert not measuring.decisions and measuring.host_bytes == 0 and rt.stats().offloaded_bytes == 0
         for _ in range(3):
             rt.reset_stats()
             with OpCounter(*TOY_TOPK_OPS) as later:
-                grads.append(_step(model, _x()))
+                grads.append(stack_step(model, _x()))
             assert later.backward == 0
     assert all(_close(g, ref) for g in grads)
     plan = be.plan
@@ -92,7 +85,7 @@ def test_given_layers_compile_at_once_with_the_cost_measured_on_the_device(fixed
     with no_compile_caches():
         be = sacpass.backend(inner="aot_eager", plan=sacpass.ModelPlan(layers=LAYERS, min_offload_bytes=0))
         model = CompiledStack(be, LAYERS, 0)
-        _step(model, _x())
+        stack_step(model, _x())
         assert len(be.reports) == 1 and be.plan.cost.name == "injected" and be.plan.layers == LAYERS
     assert fixed_rates == [(torch.device("cpu"), {})]  # no first step to take op times from
 
@@ -130,7 +123,7 @@ def test_a_graph_traced_with_dynamic_shapes_compiles_for_them_after_the_counted_
             layer.forward = torch.compile(type(layer).forward.__get__(layer), backend=be, fullgraph=True,
                                           dynamic=True)
         for rows in (24, 24, 25, 30):
-            assert _close(_step(model, _x(rows)), _step(eager, _x(rows))), rows
+            assert _close(stack_step(model, _x(rows)), stack_step(eager, _x(rows))), rows
     assert len(be.reports) == 2, [r.graph for r in be.reports]  # counted, then planned: once for every size
     unstash = [n for r in be.results for n in r.backward.graph.nodes if n.target is torch.ops.sacpass.unstash.default]
     assert unstash and any(isinstance(a, torch.fx.Node) for n in unstash for a in n.args[1])  # symbolic sizes
@@ -222,6 +215,6 @@ def test_the_runtime_s_readers_take_the_plan_as_given(fixed_rates):
         be = sacpass.backend(inner="aot_eager", plan=plan)
         model = CompiledStack(be, LAYERS, 0)
         for _ in range(3):
-            _step(model, _x())
+            stack_step(model, _x())
     assert rt.placements(plan) == rt.placements(be.plan) and len(rt.placements(plan)) == LAYERS
     assert rt.device_budget(plan) == rt.device_budget(be.plan) and "region" in rt.format_placements(plan)

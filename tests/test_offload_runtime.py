@@ -17,7 +17,7 @@ import sacpass.offload as rt
 from sacpass.offload.runtime import process_runtime
 from sacpass.offload.transfers import ReadOrders
 from sacpass.testing import no_compile_caches
-from tests.support.toy import CompiledStack
+from tests.support.toy import CompiledStack, stack_step
 
 RT = process_runtime()
 N_LAYERS = 3
@@ -31,13 +31,6 @@ def _stack(seed=0, **options):
 
 def _x(seed=1):
     return torch.randn(24, 32, generator=torch.Generator().manual_seed(seed))
-
-
-def _step(model, x):
-    model.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_(True)
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None] + [x.grad.clone()]
 
 
 def _counters(st: rt.OffloadStats) -> tuple:
@@ -71,9 +64,9 @@ def per_layer():
 def test_a_step_prefetches_every_layer_but_the_last(per_layer):
     with no_compile_caches():
         model, be = _stack()
-        _step(model, _x())  # compiles
+        stack_step(model, _x())  # compiles
         rt.reset_stats()
-        _step(model, _x())
+        stack_step(model, _x())
     st = rt.stats()
     assert st.offloaded_bytes == N_LAYERS * per_layer(be) == st.reloaded_bytes
     assert st.prefetched_bytes == (N_LAYERS - 1) * per_layer(be), st.format()
@@ -85,9 +78,9 @@ def test_a_step_prefetches_every_layer_but_the_last(per_layer):
 def test_forwards_without_backward_leave_nothing_and_change_nothing(junk):
     with no_compile_caches():
         model, _ = _stack()
-        _step(model, _x())  # compiles
+        stack_step(model, _x())  # compiles
         rt.reset_stats()
-        expected = _step(model, _x())
+        expected = stack_step(model, _x())
         clean = _counters(rt.stats())
 
         for _ in range(100):  # an eval loop under grad, or a loss that raises: no backward follows
@@ -100,7 +93,7 @@ def test_forwards_without_backward_leave_nothing_and_change_nothing(junk):
             del out
         assert rt.stats().bundles_alive == 0, rt.stats().format()
         rt.reset_stats()
-        grads = _step(model, _x())
+        grads = stack_step(model, _x())
     assert _counters(rt.stats()) == clean
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
     _assert_empty()
@@ -111,10 +104,10 @@ def test_a_live_forward_is_prefetched_then_freed_when_the_backward_ends(per_laye
     chain: that layer's backward prefetches it, nothing consumes it, and the copy is freed at the end."""
     with no_compile_caches():
         model, be = _stack()
-        _step(model, _x())
+        stack_step(model, _x())
         kept = model(_x(2).requires_grad_(True))
         rt.reset_stats()
-        _step(model, _x())
+        stack_step(model, _x())
         st = rt.stats()
         assert st.dropped_prefetch_bytes == per_layer(be), st.format()
         assert st.bundles_alive == N_LAYERS  # the kept forward's bundles, nothing else
@@ -128,9 +121,9 @@ def test_interleaved_microbatches_prefetch_their_own_layers(per_layer):
     """F1 F2 B1 B2: each backward prefetches the layers of its own forward, none of the other's."""
     with no_compile_caches():
         model, be = _stack()
-        _step(model, _x())
+        stack_step(model, _x())
         x1, x2 = _x(3).requires_grad_(True), _x(4).requires_grad_(True)
-        ref1, ref2 = _step(model, _x(3)), _step(model, _x(4))
+        ref1, ref2 = stack_step(model, _x(3)), stack_step(model, _x(4))
         model.zero_grad(set_to_none=True)
         rt.reset_stats()
         out1, out2 = model(x1), model(x2)
@@ -151,7 +144,7 @@ def test_two_models_in_two_threads(per_layer):
     steps = 4
     with no_compile_caches():
         models = [_stack(seed)[0] for seed in (0, 1)]
-        expected = [_step(m, _x(5 + i)) for i, m in enumerate(models)]  # compiles too
+        expected = [stack_step(m, _x(5 + i)) for i, m in enumerate(models)]  # compiles too
         rt.reset_stats()
         results, errors = [None, None], []
         barrier = threading.Barrier(2)
@@ -160,7 +153,7 @@ def test_two_models_in_two_threads(per_layer):
             try:
                 barrier.wait()
                 for _ in range(steps):
-                    results[i] = _step(models[i], _x(5 + i))
+                    results[i] = stack_step(models[i], _x(5 + i))
             except BaseException as e:  # noqa: BLE001 - reported by the main thread
                 errors.append(e)
 
@@ -204,11 +197,11 @@ def issues(monkeypatch):
 def test_the_prefetch_limit_caps_the_copies_issued_and_not_yet_read(issues, limit):
     with no_compile_caches():
         model, be = _stack(**MANY)
-        expected = _step(model, _x())  # compiles
+        expected = stack_step(model, _x())  # compiles
         rt.set_prefetch_limit(limit)
         rt.reset_stats()
         issues.clear()
-        grads = _step(model, _x())
+        grads = stack_step(model, _x())
     st, layer = rt.stats(), rt.stats().offloaded_bytes // N_LAYERS
     assert len(issues) >= 3 * N_LAYERS and st.reloaded_bytes == st.offloaded_bytes == N_LAYERS * layer
     largest = max(n for _, n in issues)
@@ -231,13 +224,13 @@ def test_a_reload_larger_than_the_prefetch_limit_warns_once_per_limit(issues, mo
     monkeypatch.setattr(RT.transfers, "warned_limits", set())
     with no_compile_caches():
         model, be = _stack(**MANY)
-        _step(model, _x())  # compiles
+        stack_step(model, _x())  # compiles
         largest = max(n for _, n in issues)
         for limit, warns in ((largest, False), (largest - 1, True), (largest - 1, False), (1, True)):
             rt.set_prefetch_limit(limit)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                _step(model, _x())
+                stack_step(model, _x())
             said = [str(w.message) for w in caught if issubclass(w.category, sacpass.SacpassWarning)
                     and "prefetch limit" in str(w.message)]
             assert len(said) == int(warns), (limit, said)
@@ -256,7 +249,7 @@ def test_a_warning_turned_into_an_error_stops_the_backward_after_the_runtime_is_
     monkeypatch.setattr(RT.transfers, "warned_limits", set())
     with no_compile_caches():
         model, be = _stack(**MANY)
-        expected = _step(model, _x())  # compiles
+        expected = stack_step(model, _x())  # compiles
         largest = max(n for _, n in issues)
         rt.set_prefetch_limit(largest - 1)
         rt.reset_stats()
@@ -264,11 +257,11 @@ def test_a_warning_turned_into_an_error_stops_the_backward_after_the_runtime_is_
         with warnings.catch_warnings():
             warnings.simplefilter("error", sacpass.SacpassWarning)
             with pytest.raises(sacpass.SacpassWarning, match="larger than the offload prefetch limit"):
-                _step(model, _x())
+                stack_step(model, _x())
         assert issues and rt.stats().reloaded_bytes == sum(n for _, n in issues) > 0
         assert RT._warnings == []
         rt.reset_stats()
-        grads = _step(model, _x())
+        grads = stack_step(model, _x())
         st = rt.stats()
     assert st.reloaded_bytes == st.offloaded_bytes > 0, st.format()
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
@@ -281,19 +274,19 @@ def test_the_prefetch_follows_the_order_the_backward_read_in_last(issues):
     rt.set_prefetch_limit(1)
     with no_compile_caches():
         model, be = _stack(**MANY)
-        _step(model, _x())
+        stack_step(model, _x())
         rt.reset_stats()
-        _step(model, _x())
+        stack_step(model, _x())
         assert rt.stats().waited_reloads == 1, rt.stats().format()
         ((layout, order),) = RT.transfers.read_orders.orders.items()
         assert sorted(order) == list(range(len(layout))) and order != sorted(order)
         RT.transfers.read_orders.orders[layout] = sorted(order)
         rt.reset_stats()
-        _step(model, _x())
+        stack_step(model, _x())
         assert rt.stats().waited_reloads > 1
         assert RT.transfers.read_orders.orders[layout] == order
         rt.reset_stats()
-        _step(model, _x())
+        stack_step(model, _x())
         assert rt.stats().waited_reloads == 1, rt.stats().format()
     _assert_empty()
 
@@ -304,7 +297,7 @@ def test_the_learned_orders_are_bounded(issues, monkeypatch):
     with no_compile_caches():
         model, _ = _stack(**MANY)
         for rows in (24, 25, 26, 27):
-            _step(model, torch.randn(rows, 32))
+            stack_step(model, torch.randn(rows, 32))
     assert len(RT.transfers.read_orders.orders) == 2
     assert {layout[0][0][0] for layout in RT.transfers.read_orders.orders} == {26, 27}  # the rows of the newest two shapes
     _assert_empty()
@@ -385,14 +378,14 @@ def test_a_compiled_step_past_the_host_limit_raises_offload_error_and_leaks_noth
         model, _ = _stack()
         rt.set_host_limit(0)
         with pytest.raises(sacpass.OffloadError, match="set_host_limit"):
-            _step(model, _x())
+            stack_step(model, _x())
     _assert_empty()
 
 
 def test_the_report_gives_tensor_and_pool_bytes(per_layer):
     with no_compile_caches():
         model, be = _stack()
-        _step(model, _x())
+        stack_step(model, _x())
     rep = be.reports[0]
     assert rep.host_pool_bytes == sum(rt.pool_bytes(s.bytes) for s in rep.saved if s.on_host) >= rep.host_bytes > 0
     assert f"{rep.host_pool_bytes} bytes of sacpass's host pool" in rep.format()
@@ -403,7 +396,7 @@ def test_a_plan_past_the_host_limit_warns_when_it_is_made():
     with no_compile_caches(), pytest.warns(sacpass.SacpassWarning, match=r"may offload 4194304 bytes a step.*"
                                                                             r"Lower Plan\(host_bytes"):
         model, _ = _stack(plan=sacpass.Plan(host_bytes=1 << 20, layers=4, min_offload_bytes=0))
-        _step(model, _x())
+        stack_step(model, _x())
 
 
 def test_an_offload_the_host_has_no_memory_for_raises_before_allocating(monkeypatch):

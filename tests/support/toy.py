@@ -259,6 +259,15 @@ class CompiledStack(nn.Module):
         return x
 
 
+def stack_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """One training step of a toy stack on a fresh copy of ``x`` (loss: the output's squares summed): every
+    parameter's gradient and the input's (:func:`grads_of`)."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    model(x).square().sum().backward()
+    return grads_of(model, x)
+
+
 class BreakingLayer(nn.Module):
     """A layer whose body Dynamo cannot trace, so a checkpoint around it runs eagerly: an explicit
     ``torch._dynamo.graph_break()``, or (``data_dependent=True``) boolean indexing, a data-dependent shape, in
