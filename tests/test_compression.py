@@ -152,15 +152,15 @@ def test_exact_for_every_planned_op_sends_nothing_packed_and_the_grads_are_eager
 
 def test_an_exact_selector_that_names_no_planned_value_is_reported_like_an_unmatched_selector():
     from sacpass.testing import no_compile_caches
-    from test_model_plan import _step, _x
-    from tests.support.toy import CompiledStack
+    from test_model_plan import _x
+    from tests.support.toy import CompiledStack, stack_step
 
     plan = _plan(0, 1 << 20, compress="fp8", exact=("aten::bmm", "aten::topk"))
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
         with pytest.raises(sacpass.UnmatchedSelectorError, match=r"aten::topk matched no .*ModelPlan\(exact=aten::topk\) "
                                                                  r"names none of the values its planner weighed"):
-            _step(model, _x())
+            stack_step(model, _x())
 
 
 def test_exact_takes_op_selectors_with_compress_only():
