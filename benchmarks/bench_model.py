@@ -156,7 +156,11 @@ def profile_step(model, ids, sync) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(model, ids)
+        model.zero_grad(set_to_none=True)
+        with torch.profiler.record_function(PHASES[0]):
+            loss = model(ids, labels=ids)
+        with torch.profiler.record_function(PHASES[1]):
+            loss.backward()
         sync()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
@@ -164,10 +168,26 @@ def profile_step(model, ids, sync) -> dict:
     return timeline_summary(events)
 
 
+TOP_KERNELS = 24  # the profile names the kernels that took longest in all
+PHASES = ("bench.forward", "bench.backward")  # the profiled step's two CPU ranges (torch.profiler annotations)
+
+
 def timeline_summary(events: list[dict]) -> dict:
-    """:func:`profile_step`'s figures from a Chrome trace's events (times in microseconds)."""
+    """:func:`profile_step`'s figures from a Chrome trace's events (times in microseconds). Each kernel's phase is
+    the :data:`PHASES` range its launch (the runtime call with its correlation id) fell in, on the CPU's clock."""
     kernels, copies = [], {"HtoD": [], "DtoH": []}
     by_kind: dict = {}
+    by_name: dict = {}
+    by_phase: dict = {}
+    ranges = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+              if e.get("ph") == "X" and e.get("name") in PHASES and "dur" in e]
+    launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
+                if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+    def phase(e):
+        at = launched.get(e.get("args", {}).get("correlation"))
+        return next((n for n, a, b in ranges if at is not None and a <= at <= b), "outside")
+
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -175,6 +195,10 @@ def timeline_summary(events: list[dict]) -> dict:
         if e.get("cat") == "kernel":
             kernels.append(span)
             name = e["name"]
+            count, us = by_name.get(name[:96], (0, 0.0))
+            by_name[name[:96]] = (count + 1, us + float(e["dur"]))
+            ph = phase(e)
+            by_phase[ph] = by_phase.get(ph, 0.0) + float(e["dur"])
             kind = ("offload fp8 pack" if "pack_kernel" in name else
                     "sparse_mla" if "sparse" in name.lower() or "mla" in name.lower() else
                     "topk/indexer" if "topk" in name.lower() or "logits" in name.lower() or "select" in name.lower() else
@@ -205,7 +229,11 @@ def timeline_summary(events: list[dict]) -> dict:
         return total
 
     gaps = sorted(((b[0] - a[1], a[1]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] > 1e3), reverse=True)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {"kernel_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items())},
+            # kernel time by the phase that launched it: the forward, the backward (its recompute included)
+            "kernel_ms_by_phase": {k.removeprefix("bench."): v / 1e3 for k, v in sorted(by_phase.items())},
+            "top_kernels": [{"name": n, "count": c, "ms": us / 1e3} for n, (c, us) in top],
             "kernel_busy_ms": sum(b - a for a, b in busy) / 1e3,
             # the GPU idle between its first kernel and its last: waits (a reload, a host sync) and launch gaps
             "kernel_span_ms": (busy[-1][1] - busy[0][0]) / 1e3 if busy else 0.0,

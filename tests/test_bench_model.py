@@ -64,13 +64,23 @@ def test_the_profile_counts_kernels_copies_not_hidden_and_the_gpu_s_idle_gaps():
     """A hand-written CUDA timeline (µs): kernels at 0-1000 (a GEMM), 1500-4000 (sparse MLA) and 7000-8000 (a
     Triton kernel), an H2D copy at 3500-6000 of which 2000 µs ran beside no kernel, a D2H copy under a kernel. The
     GPU idled 3000 µs (at 4000) and 500 µs (under the 1 ms floor) between its kernels."""
-    def ev(cat, name, ts, dur):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    def ev(cat, name, ts, dur, launch=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+        if launch is not None:  # the kernel's launch on the CPU (a runtime call sharing its correlation id)
+            e["args"] = {"correlation": launch}
+        return e
 
+    forward, backward = bench_model.PHASES
     s = bench_model.timeline_summary([
-        ev("kernel", "sm90_xmma_gemm_bf16", 0, 1000), ev("kernel", "sparse_mla_fwd", 1500, 2500),
-        ev("kernel", "triton_poi_fused_0", 7000, 1000), ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3500, 2500),
+        ev("user_annotation", forward, -100, 50), ev("user_annotation", backward, -40, 40),
+        ev("cuda_runtime", "cudaLaunchKernel", -90, 1, launch=1), ev("cuda_runtime", "cuLaunchKernelEx", -30, 1, launch=2),
+        ev("cuda_runtime", "cudaLaunchKernel", -20, 1, launch=3),
+        ev("kernel", "sm90_xmma_gemm_bf16", 0, 1000, launch=1), ev("kernel", "sparse_mla_fwd", 1500, 2500, launch=2),
+        ev("kernel", "triton_poi_fused_0", 7000, 1000, launch=3), ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3500, 2500),
         ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 100, 500), {"ph": "i", "name": "marker", "ts": 5}])
+    assert s["kernel_ms_by_phase"] == {"forward": 1.0, "backward": 3.5}
+    assert [(k["name"], k["count"], k["ms"]) for k in s["top_kernels"]] == [
+        ("sparse_mla_fwd", 1, 2.5), ("sm90_xmma_gemm_bf16", 1, 1.0), ("triton_poi_fused_0", 1, 1.0)]
     assert s["kernel_ms_by_kind"] == {"gemm": 1.0, "sparse_mla": 2.5, "triton": 1.0}
     assert s["kernel_busy_ms"] == 4.5 and s["kernel_span_ms"] == 8.0
     assert s["idle_over_1ms"] == {"count": 1, "ms": 3.0, "largest_ms_at": [(3.0, 4.0)]}
