@@ -15,8 +15,10 @@ tile-wise FP8 recipe (:mod:`glm52_model.ops.fp8`, DeepSeek-V3: e4m3, amax scales
 
 Quantisation happens inside the ops: their inputs and the tensors autograd keeps are ``grouped_mm``'s (x, w,
 offs), so swapping one op family for the other changes no saved set. Each op reads ``offs`` to the host once
-and reuses that list. The forward's rows are independent (1x128 tiles along K are per row), so it quantises x
-in its own row order and runs each expert's GEMM on the expert's rows, written straight into y
+(:func:`~glm52_model.ops.grouped_mm.host_ints`: written by a kernel into pinned memory on a GPU, so the read
+never queues behind offload copies) and reuses that list. The forward's rows are independent (1x128 tiles along
+K are per row), so it quantises x in its own row order and runs each expert's GEMM on the expert's rows, written
+straight into y
 (:func:`_expert_gemms`); the backward quantises once into 128-row expert slots
 (:func:`glm52_model.ops.grouped_mm.group_slots`), which the wgrad's tiles along tokens need, and runs its
 GEMMs per expert slot. The GEMMs are cuBLASLt's sm90 blockwise FP8 GEMM on CUDA (``torch._scaled_mm``, as in
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from .fp8 import (BLOCK, FP8_DTYPE, blockwise_scaled_mm, dequantize, quantize_1x128, quantize_1x128_t,
                   quantize_128x128)
-from .grouped_mm import _check, group_slots, register_grouped_family, slot_rows
+from .grouped_mm import _check, group_slots, host_ints, register_grouped_family, slot_rows
 
 __all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
            "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
@@ -141,7 +143,7 @@ def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers 
     R, N = x.shape[0], w.shape[2]
     if R == 0 or w.shape[0] == 0:
         return x.new_zeros((R, N))
-    ends = offs.tolist()                                                         # the op's one host sync
+    ends = host_ints(offs)                                                       # the op's one host sync
     end, Np = ends[-1], (N + BLOCK - 1) // BLOCK * BLOCK
     y = x.new_empty((R, Np))                                                     # the GEMMs' width: in place
     y[end:].zero_()                                                              # rows of no expert
@@ -165,7 +167,7 @@ def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
     R, K = x.shape
     if R == 0 or w.shape[0] == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
-    ends = offs.tolist()                                                         # the op's one host sync
+    ends = host_ints(offs)                                                       # the op's one host sync
     slot_ends = _slot_ends(ends)                                                 # poffs on the host
     dx, dw = torch.empty_like(x), torch.zeros_like(w)
     dx[ends[-1]:].zero_()                                                        # rows of no expert

@@ -12,6 +12,8 @@ import time
 import torch
 from torch import Tensor
 
+from .feeder import FedCopy, Feeder
+
 __all__ = ["device_key", "SideStreams", "timed_copy", "clock", "elapsed_ms", "copy_ms"]
 
 
@@ -28,11 +30,30 @@ class SideStreams:
     def __init__(self, index: int):
         self.index = index
         self._streams: dict[str, torch.cuda.Stream] = {}
+        self._feeders: dict[str, Feeder] = {}
 
     def get(self, kind: str) -> "torch.cuda.Stream":
         if kind not in self._streams:
             self._streams[kind] = torch.cuda.Stream(device=torch.device("cuda", self.index))
         return self._streams[kind]
+
+    def feed(self, kind: str, dst: Tensor, src: Tensor, timing: "dict[str, list] | None" = None) -> FedCopy:
+        """``dst.copy_(src)`` on the ``kind`` stream after the compute stream's work so far, fed to it a few
+        chunks at a time from a thread (:mod:`.feeder`: a host read the model makes meanwhile waits for those
+        only); returns its completion. ``timing``: the copy goes to ``timing[kind]``."""
+        if kind not in self._feeders:
+            self._feeders[kind] = Feeder(self.get(kind), self.index)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(torch.device("cuda", self.index)))
+        fed = self._feeders[kind].submit(dst, src, ready, timed=timing is not None)
+        if timing is not None:
+            timing[kind].append(fed)
+        return fed
+
+    def flush(self) -> None:
+        """Every fed copy queued on its stream (see :meth:`Feeder.flush`)."""
+        for feeder in self._feeders.values():
+            feeder.flush()
 
     def copy(self, kind: str, dst: Tensor, src: Tensor, after=None, timing: "dict[str, list] | None" = None
              ) -> "torch.cuda.Event":
@@ -85,10 +106,11 @@ def elapsed_ms(start, end) -> float | None:
 
 
 def copy_ms(times: list) -> float | None:
-    """The milliseconds of timed copies: CPU seconds, or CUDA (start, end) events; None while one is running."""
+    """The milliseconds of timed copies: CPU seconds, CUDA (start, end) events, or fed copies; None while one is
+    running."""
     total = 0.0
     for t in times:
-        ms = 1e3 * t if isinstance(t, float) else elapsed_ms(*t)
+        ms = 1e3 * t if isinstance(t, float) else t.elapsed_ms() if isinstance(t, FedCopy) else elapsed_ms(*t)
         if ms is None:
             return None
         total += ms

@@ -1,9 +1,10 @@
 """Offload and reload: copies of saved values to the host pool and back, in bundles, prefetched in reading order.
 
 - An offload copies a value into a block of the pool on the device's ``d2h`` stream (the compute stream does
-  not wait) and returns the host tensor, whose storage *is* the block's life. ``index`` 0 opens a new *bundle*
-  (one execution of one compiled forward); the bundle remembers the one opened before it on the same device and
-  thread (the previous layer, whose backward runs next).
+  not wait; the copy is fed to the stream a few chunks at a time, :mod:`.feeder`) and returns the host tensor,
+  whose storage *is* the block's life. ``index`` 0 opens a new *bundle* (one execution of one compiled forward);
+  the bundle remembers the one opened before it on the same device and thread (the previous layer, whose
+  backward runs next).
 - A reload hands the backward its value's device copy, issued now if no prefetch did, and *prefetches*: it
   issues, on the ``h2d`` stream, the copies that come next in the order the backward reads them (the rest of
   its bundle, then the bundle before it), while the copies issued and not yet read stay within the prefetch
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .clocks import device_key, timed_copy
+from .feeder import FedCopy
 from .pool import Block, HostMemory, block_tensor
 from .sizes import format_bytes, host_layout
 from .counters import OffloadStats
@@ -102,7 +104,7 @@ class Entry:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    d2h: "torch.cuda.Event | None"  # completion of the device-to-host copy (None on CPU)
+    d2h: "FedCopy | None"  # completion of the device-to-host copy (None on CPU)
     position: int = 0  # in its bundle
     reload: Tensor | None = None  # the device copy, once issued and until read
     h2d: "torch.cuda.Event | None" = None
@@ -155,10 +157,11 @@ class Transfers:
         state.largest_value = max(state.largest_value, nbytes)
         if on_cuda:
             streams = state.streams
-            entry.d2h = streams.copy("d2h", host, x, timing=timing)
-            block.events["d2h"] = entry.d2h
-            # x's memory is handed out again only after the copy: free as soon as the forward drops x
+            # x's memory is handed out again only after the copy: free once the forward drops x and the feeder
+            # has queued the copy's last chunk
             x.record_stream(streams.get("d2h"))
+            entry.d2h = streams.feed("d2h", host, x, timing=timing)
+            block.events["d2h"] = entry.d2h
         else:
             timed_copy("d2h", host, x, timing)
         return host
@@ -230,7 +233,7 @@ class Transfers:
         src = block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
         dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
         if device.type == "cuda":
-            entry.h2d = self.devices(device_key(device)).streams.copy("h2d", dev, src, after=entry.d2h,
+            entry.h2d = self.devices(device_key(device)).streams.copy("h2d", dev, src, after=entry.d2h.event(),
                                                                        timing=entry.timing)
             entry.block.events["h2d"] = entry.h2d
         else:

@@ -271,3 +271,28 @@ def test_the_pool_is_what_pytorchs_pinned_allocator_holds():
     held = torch.cuda.host_memory_stats()["allocated_bytes.current"] - base
     assert st.peak_host_bytes_held > 0 and abs(held - st.host_bytes_held) <= 0.05 * st.host_bytes_held, (held, st.format())
     assert st.peak_host_bytes >= N_LAYERS * be.reports[0].host_pool_bytes
+
+
+def test_a_fed_offload_arrives_whole_and_a_host_read_beside_it_is_exact():
+    """An offload large enough to be fed in many chunks (a dense, permuted 320 MiB value) reaches pinned host
+    memory whole; a reload ordered after it (its event) brings back the same bits; meanwhile the MoE's row-ends
+    read (glm52_model's ``host_ints``, written by a kernel into pinned memory) and a plain ``tolist`` read the
+    right values while the copy runs."""
+    from glm52_model.ops.grouped_mm import host_ints
+    from sacpass.offload.clocks import SideStreams
+    from sacpass.offload.feeder import CHUNK
+
+    x = torch.randn(8192, 10240, device="cuda").t()  # dense, not contiguous: copied in its own layout
+    assert x.numel() * 4 > 4 * CHUNK
+    host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
+    streams = SideStreams(torch.cuda.current_device())
+    timing = {"d2h": [], "h2d": []}
+    fed = streams.feed("d2h", host, x, timing=timing)
+    offs = torch.arange(1, 257, device="cuda", dtype=torch.int32).cumsum(0).to(torch.int32)
+    assert host_ints(offs) == offs.tolist() == offs.cpu().tolist()
+    back = torch.empty_like(x)
+    done = streams.copy("h2d", back, host, after=fed.event())
+    torch.cuda.current_stream().wait_event(done)
+    assert torch.equal(back, x)
+    fed.synchronize()
+    assert fed.query() and timing["d2h"] == [fed] and fed.elapsed_ms() > 0
