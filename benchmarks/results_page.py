@@ -26,7 +26,7 @@ REGEN = "python3 benchmarks/results_page.py"
 META_KEYS = ("kind", "title", "about", "command", "commit", "torch", "tilelang", "cuda", "machine")
 NAME_RULE = re.compile(r"(run|issue)[0-9]+", re.I)      # a results file is named by what it measures, never a run
 KIND_ORDER = ("topk_op", "logits_sweep", "select_sweep", "topk_host", "ncu", "sparse_mla", "experts", "layer",
-              "layer_profile", "model", "sac_vs_sacpass", "router_drift")
+              "layer_profile", "model", "sac_vs_sacpass", "router_drift", "host_read")
 ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json",
          "ncu_logits_32k_h200.txt", "ncu_select_32k_h200.txt", "sparse_mla_16k_h200.json",
          "sparse_mla_bwd_dkv_layouts_64heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
@@ -34,7 +34,8 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json
          "frontier_1layer_16k_h200.json", "budget_solvers_1layer_16k_h200.json", "frontier_16layers_64k_h200.json",
          "allocator_16layers_64k_h200.json", "prefetch_16layers_64k_h200.json", "plan_8layers_128k_h200.json",
          "allocator_8layers_128k_h200.json", "compress_16layers_64k_h200.json",
-         "compress_8layers_128k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json")
+         "compress_8layers_128k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json",
+         "host_read_beside_copies_h100.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
 VARIANT_LABELS = {"default": "default"}
 
@@ -380,6 +381,14 @@ def r_router_drift(e, plots):
                  [["`config`", ", ".join(f"{k}={v}" for k, v in d.get("config", {}).items())]])
 
 
+def r_host_read(e, plots):
+    d = e["data"]
+    modes = [k.split("/")[0] for k in d if "/" in k]
+    rows = [[f"`{m}`"] + [f(d[f"{m}/{how}"]["read_ms"]) for how in ("tolist", "kernel_into_pinned")] +
+            [f(d[f"{m}/tolist"]["copy_gb_s"]) if m != "none" else "-"] for m in dict.fromkeys(modes)]
+    return table(["copy beside the read", "`tolist()` ms", "kernel into pinned ms", "copy GB/s"], rows)
+
+
 NCU_METRICS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Issue Slots Busy",
                "Executed Ipc Elapsed", "Registers Per Thread", "Achieved Occupancy")
 
@@ -411,7 +420,7 @@ def r_ncu(e, plots):
 RENDER = {"topk_op": r_topk_op, "logits_sweep": r_logits_sweep, "select_sweep": r_select_sweep,
           "topk_host": r_topk_host, "ncu": r_ncu, "sparse_mla": r_sparse_mla, "experts": r_experts,
           "layer": r_layer, "layer_profile": r_layer_profile, "model": r_model,
-          "sac_vs_sacpass": r_sac_vs_sacpass, "router_drift": r_router_drift}
+          "sac_vs_sacpass": r_sac_vs_sacpass, "router_drift": r_router_drift, "host_read": r_host_read}
 _ENTRIES: list[dict] = []
 
 
