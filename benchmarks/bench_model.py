@@ -168,6 +168,7 @@ def profile_step(model, ids, sync) -> dict:
     return timeline_summary(events)
 
 
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # a kernel's launch: cudaLaunchKernel, or cuLaunchKernel(Ex)
 TOP_KERNELS = 24  # the profile names the kernels that took longest in all
 PHASES = ("bench.forward", "bench.backward")  # the profiled step's two CPU ranges (torch.profiler annotations)
 
@@ -182,7 +183,7 @@ def timeline_summary(events: list[dict]) -> dict:
     ranges = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
               if e.get("ph") == "X" and e.get("name") in PHASES and "dur" in e]
     launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
-                if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
 
     def phase(e):
         at = launched.get(e.get("args", {}).get("correlation"))

@@ -73,7 +73,7 @@ def test_the_profile_counts_kernels_copies_not_hidden_and_the_gpu_s_idle_gaps():
     forward, backward = bench_model.PHASES
     s = bench_model.timeline_summary([
         ev("user_annotation", forward, -100, 50), ev("user_annotation", backward, -40, 40),
-        ev("cuda_runtime", "cudaLaunchKernel", -90, 1, launch=1), ev("cuda_runtime", "cuLaunchKernelEx", -30, 1, launch=2),
+        ev("cuda_runtime", "cudaLaunchKernel", -90, 1, launch=1), ev("cuda_driver", "cuLaunchKernelEx", -30, 1, launch=2),
         ev("cuda_runtime", "cudaLaunchKernel", -20, 1, launch=3),
         ev("kernel", "sm90_xmma_gemm_bf16", 0, 1000, launch=1), ev("kernel", "sparse_mla_fwd", 1500, 2500, launch=2),
         ev("kernel", "triton_poi_fused_0", 7000, 1000, launch=3), ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3500, 2500),
