@@ -97,6 +97,11 @@ def test_copies_are_fed_within_the_queue_bound_and_arrive_whole():
     assert all(f.query() for f in fed)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s)
+    whole = torch.empty(4)  # under one chunk: copied whole
+    feeder.submit(whole, torch.ones(4), ready).synchronize()
+    assert torch.equal(whole, torch.ones(4))
+    # the host copy may already be saved for a backward when its chunks land: its version is not bumped
+    assert [d._version for d in dsts] == [0] * 5 and whole._version == 0
     timed = feeder.submit(torch.empty(100), torch.ones(100), ready, timed=True)
     timed.synchronize()
     assert timed.elapsed_ms() == 1.5 and fed[0].elapsed_ms() is None  # only a timed copy has a time
@@ -108,7 +113,7 @@ def test_a_fed_copy_stands_in_for_its_event_before_it_is_queued():
     gate = threading.Event()
     real = feeder._feed
     feeder._feed = lambda *a: (gate.wait(), real(*a))[1]  # the thread is slow to queue it
-    fed = feeder.submit(torch.empty(4), torch.ones(4), engine.event(False))
+    fed = feeder.submit(torch.empty(40), torch.ones(40), engine.event(False))  # two chunks: the thread's
     assert not fed.query() and fed.elapsed_ms() is None
     got = []
     waiter = threading.Thread(target=lambda: got.append(fed.event()))
@@ -138,7 +143,9 @@ def test_the_source_is_let_go_once_its_last_chunk_is_queued():
 def test_a_failed_copy_is_raised_where_it_is_waited_on_and_by_the_next_submit():
     engine = Engine()
     feeder = _feeder(engine)
-    fed = feeder.submit(torch.empty(3), torch.ones(5), engine.event(False))  # shapes that cannot copy
+    with pytest.raises(OffloadError, match="offload copy failed"):  # one chunk, queued at once: raised at once
+        feeder.submit(torch.empty(3), torch.ones(5), engine.event(False))
+    fed = feeder.submit(torch.empty(30), torch.ones(50), engine.event(False))  # the thread's: raised when waited on
     with pytest.raises(OffloadError, match="offload copy failed"):
         fed.event()
     with pytest.raises(OffloadError, match="feeder failed"):
@@ -146,3 +153,17 @@ def test_a_failed_copy_is_raised_where_it_is_waited_on_and_by_the_next_submit():
     ok = feeder.submit(torch.empty(3), torch.ones(3), engine.event(False))  # the feeder goes on after
     ok.synchronize()
     assert isinstance(ok, FedCopy)
+
+
+def test_a_small_copy_with_room_is_queued_at_once_and_one_without_room_waits_its_turn():
+    engine = Engine()
+    feeder = _feeder(engine, chunk=64, queued=2)
+    ready = engine.event(False)
+    first = feeder.submit(torch.empty(4), torch.ones(4), ready)
+    assert first._queued.is_set() and feeder.thread is None  # on the caller's thread, no feeder thread started
+    feeder.submit(torch.empty(4), torch.ones(4), ready)
+    third = feeder.submit(torch.empty(4), torch.full((4,), 3.0), ready)  # two chunks queued: the thread's turn
+    feeder.flush()
+    assert feeder.thread is not None and engine.most == 2
+    third.synchronize()
+    assert third.query()

@@ -24,11 +24,12 @@ from . import ops  # noqa: F401  (declares torch.ops.sacpass.*)
 from .sizes import ALIGN, host_pool_bytes, packed_pool_bytes, packs, pool_bytes
 
 __all__ = ["set_host_limit", "host_limit", "host_budget", "set_prefetch_limit", "prefetch_limit", "stats",
-           "reset_stats", "OffloadStats", "release_host_memory", "placements", "format_placements", "device_budget",
+           "reset_stats", "OffloadStats", "release_host_memory", "synchronize", "placements", "format_placements",
+           "device_budget",
            "pool_bytes", "host_pool_bytes", "packed_pool_bytes", "packs", "ALIGN"]
 
 _API = {"set_host_limit", "host_limit", "host_budget", "set_prefetch_limit", "prefetch_limit", "stats",
-        "reset_stats", "release_host_memory", "placements", "format_placements", "device_budget"}
+        "reset_stats", "release_host_memory", "synchronize", "placements", "format_placements", "device_budget"}
 
 
 def __getattr__(name: str):

@@ -10,7 +10,8 @@ from .runtime import AUTO, process_runtime
 from .counters import OffloadStats
 
 __all__ = ["set_host_limit", "host_limit", "host_budget", "set_prefetch_limit", "prefetch_limit", "stats",
-           "reset_stats", "release_host_memory", "placements", "format_placements", "device_budget"]
+           "reset_stats", "release_host_memory", "synchronize", "placements", "format_placements",
+           "device_budget"]
 
 
 def set_host_limit(nbytes: int) -> None:
@@ -71,6 +72,14 @@ def stats() -> OffloadStats:
 
 def reset_stats() -> None:
     process_runtime().reset_stats()
+
+
+def synchronize() -> None:
+    """Wait until every offload copy has been queued and has finished. Offload copies are fed to their copy stream
+    by a thread, a few chunks at a time, which holds each source until its last chunk is queued: after
+    ``torch.cuda.synchronize()`` alone an offloaded value's device memory, or its host copy's bytes, may still be
+    in use for a moment. Call this before reading memory counters or a host copy directly."""
+    process_runtime().synchronize()
 
 
 def release_host_memory() -> int:

@@ -9,7 +9,9 @@ on an H100, 72 ms behind one 4 GiB offload, and as long behind the same bytes qu
 So offloads are not queued whole. :class:`Feeder` takes each copy (a destination, a source, the compute
 stream's point where the source is ready) and queues it on its stream in chunks of :data:`CHUNK` bytes from its
 own thread, never more than :data:`QUEUED` chunks ahead of the copy engine: a host read waits for those at
-most, while the copies still run at the link's rate (the thread waits for a chunk's event without the GIL).
+most, while the copies still run at the link's rate (the thread waits for a chunk's event without the GIL). A
+copy of one chunk or less, submitted while the queue has room and no copy waits before it, is queued at once on
+the caller's thread.
 
 Each copy's completion is a :class:`FedCopy`, which stands in for a CUDA event (``query``, ``synchronize``)
 before its chunks are even queued: ``event()`` waits until they are and returns the real one, for a stream to
@@ -73,20 +75,22 @@ class FedCopy:
         return self._start.elapsed_time(self._done)
 
 
+def _alias(t: Tensor, dtype: torch.dtype, offset: int, size, stride) -> Tensor:
+    """A tensor over ``t``'s memory with a version counter of its own: writing it leaves ``t``'s version alone
+    (the destination may already be saved for a backward, which checks that version)."""
+    return torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage(), offset, size, stride)
+
+
 def chunks(dst: Tensor, src: Tensor, chunk: int = CHUNK) -> list[tuple[Tensor, Tensor]]:
     """``dst.copy_(src)`` as pieces of at most ``chunk`` bytes: flat byte ranges of both where they share one
-    dense layout (the offload's host layout is the source's own where that is dense); else the copy whole."""
+    dense layout (the offload's host layout is the source's own where that is dense); else the copy whole. The
+    pieces are aliases (:func:`_alias`): the copy does not count as a write of ``dst`` for autograd."""
     dense = torch._prims_common.is_non_overlapping_and_dense_or_false
     if (dst.shape != src.shape or dst.stride() != src.stride() or dst.dtype != src.dtype or not dense(src)
             or src.numel() * src.element_size() <= chunk):
-        return [(dst, src)]
+        return [tuple(_alias(t, t.dtype, t.storage_offset(), t.shape, t.stride()) for t in (dst, src))]
     nbytes = src.numel() * src.element_size()
-
-    def flat(t: Tensor) -> Tensor:
-        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-            t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
-
-    d, s = flat(dst), flat(src)
+    d, s = (_alias(t, torch.uint8, t.storage_offset() * t.element_size(), (nbytes,), (1,)) for t in (dst, src))
     return [(d[i:i + chunk], s[i:i + chunk]) for i in range(0, nbytes, chunk)]
 
 
@@ -115,6 +119,13 @@ class Feeder:
             if self.error is not None:
                 error, self.error = self.error, None
                 raise OffloadError(f"sacpass: the offload copy feeder failed: {error!r}") from error
+            if self.busy == 0 and src.numel() * src.element_size() <= self.chunk and self._room():
+                # one chunk, the queue has room and nothing waits before it: queued at once, on this thread
+                try:
+                    fed._finish(*self._feed(dst, src, ready, timed))
+                except Exception as e:
+                    raise OffloadError(f"sacpass: an offload copy failed on its copy stream: {e!r}.") from e
+                return fed
             self.jobs.append((dst, src, ready, timed, fed))
             self.busy += 1
             if self.thread is None or not self.thread.is_alive():
@@ -122,6 +133,12 @@ class Feeder:
                 self.thread.start()
             self.cv.notify()
         return fed
+
+    def _room(self) -> bool:
+        """Whether another chunk may be queued now (the chunks the copy engine has finished are let go)."""
+        while self.in_flight and self.in_flight[0].query():
+            self.in_flight.popleft()
+        return len(self.in_flight) < self.queued
 
     def flush(self) -> None:
         """Wait until every copy submitted so far is queued on the stream (not finished)."""

@@ -180,6 +180,17 @@ class Runtime:
             self.stats.peak_host_bytes = self.stats.host_bytes_alive
             self.stats.peak_host_bytes_held = self.stats.host_bytes_held
 
+    def synchronize(self) -> None:
+        """Every offload copy queued (the feeder threads done with their sources) and finished, then the values
+        and blocks that died meanwhile settled."""
+        with self.lock:
+            streams = [state.streams for state in self.devices.values() if state.streams is not None]
+        for s in streams:  # outside the lock: the feeders never take it
+            s.flush()
+            torch.cuda.synchronize(s.index)
+        with self.lock:
+            self.settle()
+
     def release_host_memory(self) -> int:
         with self.lock:
             self.settle()

@@ -35,7 +35,7 @@ def _run(options):
     offload_runtime.reset_stats()
     before = torch.cuda.memory_allocated()
     out = model(x)
-    torch.cuda.synchronize()
+    offload_runtime.synchronize()  # every offload copy queued and done (the feeder lets go of its sources)
     torch.empty(1, device="cuda")  # lets the allocator retire blocks whose side-stream copies have finished
     between = torch.cuda.memory_allocated() - before   # what the forward leaves for the backward (+ out)
     with OpCounter("sacpass::offload", "sacpass::reload") as calls:
@@ -76,7 +76,7 @@ def test_the_prefetch_limit_lowers_the_backward_peak_and_keeps_the_gradients():
             model.zero_grad(set_to_none=True)
             xx = x.clone().requires_grad_(True)
             out = model(xx).float().square().mean()
-            torch.cuda.synchronize()
+            offload_runtime.synchronize()
             offload_runtime.reset_stats()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -103,7 +103,7 @@ def test_a_read_reload_is_reused_at_once_and_an_unread_one_after_its_copy():
     big = torch.randn(1 << 30, device="cuda")                 # 4 GiB: about 80 ms of copy
     h_small = torch.ops.sacpass.offload(small, 0, [])
     h_big = torch.ops.sacpass.offload(big, 1, [])
-    torch.cuda.synchronize()
+    offload_runtime.synchronize()
     h2d = process_runtime().device(("cuda", torch.cuda.current_device())).streams.get("h2d")
     got = torch.ops.sacpass.reload(h_small, torch.device("cuda"))  # issues small's copy, then prefetches big's
     entry = process_runtime().transfers.entries[h_big.data_ptr()]
@@ -204,7 +204,7 @@ def test_forwards_without_backward_leave_nothing_on_cuda():
     for _ in range(20):  # an eval loop under grad: no backward
         out = model(x.clone().requires_grad_(True))
         del out
-    torch.cuda.synchronize()
+    offload_runtime.synchronize()
     st = offload_runtime.stats()
     assert st.bundles_alive == 0 and st.host_bytes_alive == 0, st.format()
     offload_runtime.reset_stats()
@@ -223,7 +223,7 @@ def test_an_unconsumed_prefetch_is_freed_when_its_backward_ends():
     _step(model, x)
     kept = model(x.clone().requires_grad_(True))  # its backward comes later: the next step prefetches it
     model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    offload_runtime.synchronize()
     before = torch.cuda.memory_allocated()
     offload_runtime.reset_stats()
     _step(model, x)
