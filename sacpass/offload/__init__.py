@@ -8,6 +8,7 @@ Its parts, one job each:
 - :mod:`.sizes`: the bytes a value takes in the pool (pure);
 - :mod:`.pool`: the host pool, slabs sub-allocated in blocks, under this process's share of the host;
 - :mod:`.transfers`: the copies each way, bundles, and the prefetch in the order the backward reads;
+- :mod:`.feeder`: offload copies fed to their copy stream a few chunks at a time, from a thread;
 - :mod:`.stash`: a model plan's values behind handles, and the regions of a step;
 - :mod:`.placement`: where a step's values wait (pure functions: sizes in, placements out);
 - :mod:`.plan_state`: one model plan's state across steps; :mod:`.timeline` one step as it ran;
@@ -16,7 +17,8 @@ Its parts, one job each:
 - :mod:`.step_report` and :mod:`.api`: what users read and set (re-exported here).
 
 On the CPU (a CPU tensor offloaded) the same code runs: pool, bundles, prefetch order, reload and free, with the
-copies done synchronously and an unpinned pool, so the lifecycle is tested without a GPU.
+copies done synchronously (no feeder: its chunking, queue bound and errors are tested with a fake copy engine)
+and an unpinned pool, so the lifecycle is tested without a GPU.
 """
 from __future__ import annotations
 
