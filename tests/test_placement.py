@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sacpass
-from sacpass.offload.placement import (SLOWER, Budgets, faster_budget, follow_peak, later_device_bytes,
+from sacpass.offload.placement import (CONFIRM, SLOWER, Budgets, faster_budget, follow_peak, later_device_bytes,
                                        place_arriving, place_step, smallest_budgets)
 from sacpass.offload.sizes import pool_bytes
 
@@ -138,6 +138,9 @@ def test_a_budget_that_measured_slower_than_a_smaller_one_goes_back_to_the_faste
     assert faster_budget({0: 100.0, 4: 95.0, 8: 103.0}, 8) == 4  # the fastest of the smaller
     assert faster_budget({0: 95.0, 4: 95.0, 8: 103.0}, 8) == 0  # on a tie, the smallest
     assert faster_budget({0: 100.0, 8: 103.0}, 0) is None  # only smaller budgets are gone back to
+    # judged only once CONFIRM steps were measured at it: one slow step does not cap the plan for good
+    assert faster_budget({0: 100.0, 8: 103.0}, 8, {0: 3, 8: CONFIRM - 1}) is None
+    assert faster_budget({0: 100.0, 8: 103.0}, 8, {0: 1, 8: CONFIRM}) == 0
 
 
 @given(st.dictionaries(st.integers(0, 1 << 40), st.floats(1.0, 1e4), min_size=1, max_size=8), st.data())

@@ -21,7 +21,7 @@ from ..errors import OffloadError
 from .sizes import pool_bytes
 
 __all__ = ["Key", "Budgets", "place_step", "smallest_budgets", "later_device_bytes", "place_arriving", "follow_peak",
-           "PeakMove", "faster_budget", "SLOWER"]
+           "PeakMove", "faster_budget", "SLOWER", "CONFIRM"]
 
 Key = tuple[int, int]  # (region, index)
 DEVICE, HOST = "device", "host"
@@ -143,17 +143,22 @@ def follow_peak(device_budget: int, floor: int, cap: int, peak: int, peak_before
 
 
 SLOWER = 0.02  # a step this much slower than one at a smaller device budget: the larger budget costs time
+CONFIRM = 2  # steps measured at a budget before it is judged slower (a verdict that holds for good)
 
 
-def faster_budget(step_ms: Mapping[int, float], budget: int) -> int | None:
+def faster_budget(step_ms: Mapping[int, float], budget: int, samples: Mapping[int, int] | None = None
+                  ) -> int | None:
     """After a step placed at device budget ``budget``: the smaller budget to go back to and hold at, where one
     measured faster than ``budget`` by more than ``SLOWER`` (the fastest of them, the smallest on a tie); else None.
-    ``step_ms``: the fastest step measured at each budget, ``budget``'s included. Keeping a value on the device
-    instead of copying it should never cost time; where the measurement says it did (the allocator, bandwidth the
-    copies shared), the plan does not spend that memory."""
+    ``step_ms``: the fastest step measured at each budget, ``budget``'s included; ``samples``: how many steps were
+    measured at each, where ``budget`` is judged only once ``CONFIRM`` steps were measured at it (one slow step, a
+    pool growing or another process on the host, does not cap the plan for good); without it, the verdict of the
+    times alone. Keeping a value on
+    the device instead of copying it should never cost time; where the measurement says it did (the allocator,
+    bandwidth the copies shared), the plan does not spend that memory."""
     here = step_ms.get(budget)
     below = [(ms, b) for b, ms in step_ms.items() if b < budget]
-    if here is None or not below:
+    if here is None or not below or (samples is not None and samples.get(budget, 0) < CONFIRM):
         return None
     ms, smaller = min(below)
     return smaller if ms < here * (1 - SLOWER) else None

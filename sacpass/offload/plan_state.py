@@ -6,7 +6,7 @@ recorded (:func:`~sacpass.offload.placement.place_step`); the first, which has n
 (:func:`~sacpass.offload.placement.place_arriving`). With a peak cap the device budget follows the measured peak
 (:func:`~sacpass.offload.placement.follow_peak`), read as each backward ends; a budget rises only once the
 budget in hand has been measured (a step placed at it), and where a larger budget measured slower than a smaller
-one the plan goes back to the faster and holds there (:func:`~sacpass.offload.placement.faster_budget`): more
+one, in two steps, the plan goes back to the faster and holds there (:func:`~sacpass.offload.placement.faster_budget`): more
 budget never makes the step slower.
 """
 from __future__ import annotations
@@ -65,7 +65,9 @@ class PlanState:
     warned: bool = False
     placed_at: int | None = None  # this step's device budget, where it was placed from the step before's table
     step_ms: dict[int, float] = field(default_factory=dict)  # device budget -> the fastest step measured at it
+    step_samples: dict[int, int] = field(default_factory=dict)  # device budget -> the steps measured at it
     held: int | None = None  # the device budget never passed again: a larger one measured slower
+    doubt: int | None = None  # a budget measured slower once: the next step runs at it again, to confirm or clear
     unmeasured: list = field(default_factory=list)  # (device budget, timeline) of steps whose timing is not read yet
 
     def __post_init__(self) -> None:
@@ -127,13 +129,16 @@ class PlanState:
         self._measure()
         if self.device_budget > ran_at and ran_at not in self.step_ms:
             self.device_budget = ran_at
+        if self.doubt is not None:
+            self.device_budget = min(self.device_budget, self.doubt)
         if self.held is not None:
             self.device_budget = min(self.device_budget, self.held)
 
     def _measure(self) -> None:
         """Time the steps placed from a table whose device work is done (a GPU step's timing events are read
         once complete, never waited for: a loop that runs ahead of its GPU has them a step or two later), and
-        hold at a smaller budget where one measured faster."""
+        hold at a smaller budget where one measured faster in ``CONFIRM`` steps; after one such step, doubt the
+        budget (the next step runs at it again)."""
         waiting = []
         for budget, timeline in self.unmeasured:
             ms = timeline.regions_ms()
@@ -141,9 +146,15 @@ class PlanState:
                 waiting.append((budget, timeline))
                 continue
             self.step_ms[budget] = min(ms, self.step_ms.get(budget, ms))
-            back = faster_budget(self.step_ms, budget)
+            self.step_samples[budget] = self.step_samples.get(budget, 0) + 1
+            self.doubt = None
+            if faster_budget(self.step_ms, budget) is None:  # not slower than a smaller budget
+                continue
+            back = faster_budget(self.step_ms, budget, self.step_samples)
             if back is not None:
                 self.held = back if self.held is None else min(self.held, back)
+            else:
+                self.doubt = budget
         self.unmeasured = waiting[-UNMEASURED:]
 
     def _follow_peak(self) -> None:

@@ -48,7 +48,8 @@ def placement_rows(states: list[PlanState]) -> list[dict]:
 
 def budget_of(state: PlanState) -> dict:
     return {"gpu_bytes": state.gpu_bytes, "device_budget": state.device_budget, "peak_bytes": state.peak_bytes,
-            "peak_read": state.peak_read, "held_at": state.held, "step_ms": dict(sorted(state.step_ms.items()))}
+            "peak_read": state.peak_read, "held_at": state.held, "step_ms": dict(sorted(state.step_ms.items())),
+            "step_samples": dict(sorted(state.step_samples.items())), "doubt": state.doubt}
 
 
 def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
@@ -68,7 +69,11 @@ def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
         lines.append(f"device budget {b['device_budget'] / gib:.3f} GiB for the next step (from gpu_bytes "
                      f"{b['gpu_bytes'] / gib:.3f}; peak {read}, cap {b['peak_bytes'] / gib:.3f})")
         if b["held_at"] is not None:
-            measured = ", ".join(f"{budget / gib:.3f} GiB {ms:.1f} ms" for budget, ms in b["step_ms"].items())
+            measured = ", ".join(f"{budget / gib:.3f} GiB {ms:.1f} ms ({b['step_samples'].get(budget, 0)} steps)"
+                                 for budget, ms in b["step_ms"].items())
             lines.append(f"held at {b['held_at'] / gib:.3f} GiB: a larger device budget measured slower (the fastest "
                          f"step in its regions at each budget: {measured})")
+        elif b["doubt"] is not None:
+            lines.append(f"{b['doubt'] / gib:.3f} GiB measured slower than a smaller budget once: the next step runs "
+                         f"at it again before it is judged")
     return "\n".join(lines)
