@@ -381,20 +381,21 @@ def allocator_counts(device) -> dict[str, int]:
 
 def settle(model, ids, plan, most: int) -> int:
     """More warm-up steps, at most ``most``, while a model plan's device budget still moves (one following the
-    measured peak rises step by step from 0): the timed steps then run the budget the plan settled at. Returns the
-    steps run."""
+    measured peak rises step by step from 0) or is in doubt (measured slower once): the timed steps then run the
+    budget the plan settled at. Returns the steps run."""
     if not isinstance(plan, sacpass.ModelPlan):
         return 0
     def budget():
         try:
-            return offload_runtime.device_budget(plan)["device_budget"]
+            b = offload_runtime.device_budget(plan)
         except sacpass.SacpassError:  # a plan not yet compiled (its counted step only)
             return None
+        return b["device_budget"], b["doubt"]  # a budget in doubt runs again before it is judged: not settled
 
     for n in range(most):
         before = budget()
         step(model, ids)
-        if before is not None and budget() == before:
+        if before is not None and budget() == before and before[1] is None:
             return n + 1
     return most
 

@@ -95,3 +95,18 @@ def test_the_allocator_counters_are_read_on_a_gpu_and_empty_on_the_cpu(monkeypat
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
     assert bench_model.allocator_counts(torch.device("cuda", 0)) == {
         "alloc_retries": 3, "cuda_mallocs": 40, "cuda_frees": 7, "ooms": 0}
+
+
+def test_warm_up_goes_on_while_a_model_plan_s_budget_moves_or_is_in_doubt(monkeypatch):
+    """settle(): steps while the device budget moves, and while a budget measured slower once waits for its second
+    step; it stops at the first step that leaves a budget beyond doubt where it was."""
+    import sacpass
+
+    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=1 << 20)
+    states = [(0, None), (8, None), (8, 8), (0, None), (0, None), (0, None)]  # (device budget, doubt) after n steps
+    n = [0]
+    monkeypatch.setattr(bench_model, "step", lambda model, ids: n.__setitem__(0, n[0] + 1))
+    monkeypatch.setattr(bench_model.offload_runtime, "device_budget",
+                        lambda p: dict(zip(("device_budget", "doubt"), states[n[0]])))
+    assert bench_model.settle(None, None, plan, most=5) == 4 and n[0] == 4
+    assert bench_model.settle(None, None, object(), most=5) == 0  # not a model plan: nothing to settle
