@@ -11,6 +11,7 @@ fp32; its kernels call ``torch._grouped_mm`` (CPU: any float dtype; CUDA: bf16, 
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 from torch import Tensor
@@ -45,8 +46,15 @@ def host_ints(t: Tensor) -> list[int]:
     key = (t.device.index, t.dtype)
     if key not in bufs or bufs[key][0].numel() < n:
         host = torch.empty(max(n, 1024), dtype=t.dtype, pin_memory=True)
-        bufs[key] = (host, _device_view(host, t.device))
+        try:
+            bufs[key] = (host, _device_view(host, t.device))
+        except (RuntimeError, TypeError, ValueError) as e:  # a torch that will not map pinned memory
+            warnings.warn(f"glm52_model: the row counts are read with tolist() on {t.device}: a device view of "
+                          f"pinned host memory failed ({e}); beside offload copies each read waits for them")
+            bufs[key] = (host, None)
     host, view = bufs[key]
+    if view is None:
+        return t.tolist()
     torch.add(flat, 0, out=view[:n])  # an elementwise kernel: stores over the bus, no copy engine
     torch.cuda.current_stream(t.device).synchronize()
     return host[:n].tolist()
