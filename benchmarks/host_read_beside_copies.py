@@ -1,8 +1,9 @@
 """How long a host read of a small device tensor (``.tolist()``, what an MoE's per-expert row counts need) waits
 while large device-to-host copies run on another stream: one copy, the same bytes in chunks all queued at once,
-chunks fed a few at a time from a thread (three 64 MiB chunks queued at most; ``sacpass``: the offload runtime's
-own feeder, :mod:`sacpass.offload.feeder`, at its defaults), and the small read written by a kernel into pinned
-memory (no copy engine). Prints one JSON object: per mode, the read's median ms and the copy's GB/s."""
+chunks fed a few at a time from a thread (the offload runtime's feeder, :mod:`sacpass.offload.feeder`: three
+64 MiB chunks queued at most, or ``sacpass``: at its defaults), and the small read written by a kernel into
+pinned memory (no copy engine: the model's ``host_ints``). Prints one JSON object: per mode, the read's median
+ms and the copy's GB/s."""
 from __future__ import annotations
 
 import argparse
@@ -13,15 +14,8 @@ import time
 
 import torch
 
+from glm52_model.ops.grouped_mm import host_ints
 from sacpass.offload.feeder import Feeder
-
-
-def zero_copy_view(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over pinned ``host`` memory: kernels write it over the bus, no copy engine involved."""
-    class Iface:
-        __cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i8", "version": 3,
-                                    "data": (host.data_ptr(), False), "strides": None}
-    return torch.as_tensor(Iface(), device="cuda")
 
 
 def main() -> None:
@@ -35,43 +29,27 @@ def main() -> None:
     dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     small = torch.arange(257, device="cuda", dtype=torch.int64)
     side = torch.cuda.Stream()
-    pinned = torch.empty(257, dtype=torch.int64, pin_memory=True)
-    view = zero_copy_view(pinned)
+    # the fed modes: the offload runtime's feeder, three 64 MiB chunks queued at most, or at its defaults
+    feeders = {"fed64m": Feeder(side, torch.cuda.current_device(), chunk=64 << 20, queued=3),
+               "sacpass": Feeder(side, torch.cuda.current_device())}
 
     def plain_read():
         return small.tolist()
 
-    def kernel_read():
-        torch.add(small, 0, out=view)
-        torch.cuda.current_stream().synchronize()
-        return pinned.tolist()
+    def kernel_read():  # the GLM-5.2 model's row-counts read: a kernel writes into pinned memory
+        return host_ints(small)
 
     def start_copy(mode):
-        chunk = {"one": n, "chunks64m": 64 << 20, "chunks8m": 8 << 20, "fed64m": 64 << 20}.get(mode)
         if mode == "none":
             return None
-        if mode == "sacpass":  # the offload runtime's own feeder, at its defaults
-            feeder = Feeder(side, torch.cuda.current_device())
+        if mode in feeders:
             ready = torch.cuda.Event()
             ready.record()
-            fed = feeder.submit(dst, src, ready)
+            fed = feeders[mode].submit(dst, src, ready)
             t = threading.Thread(target=fed.synchronize)
             t.start()
             return t
-        if mode.startswith("fed"):
-            def feed():
-                pending = []
-                for i in range(0, n, chunk):
-                    with torch.cuda.stream(side):
-                        dst[i:i + chunk].copy_(src[i:i + chunk], non_blocking=True)
-                        e = torch.cuda.Event()
-                        e.record(side)
-                    pending.append(e)
-                    if len(pending) > 2:
-                        pending.pop(0).synchronize()
-            t = threading.Thread(target=feed)
-            t.start()
-            return t
+        chunk = {"one": n, "chunks64m": 64 << 20, "chunks8m": 8 << 20}[mode]
         with torch.cuda.stream(side):
             for i in range(0, n, chunk):
                 dst[i:i + chunk].copy_(src[i:i + chunk], non_blocking=True)

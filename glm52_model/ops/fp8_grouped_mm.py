@@ -18,8 +18,7 @@ offs), so swapping one op family for the other changes no saved set. Each op rea
 (:func:`~glm52_model.ops.grouped_mm.host_ints`: written by a kernel into pinned memory on a GPU, so the read
 never queues behind offload copies) and reuses that list. The forward's rows are independent (1x128 tiles along
 K are per row), so it quantises x in its own row order and runs each expert's GEMM on the expert's rows, written
-straight into y
-(:func:`_expert_gemms`); the backward quantises once into 128-row expert slots
+straight into y (:func:`_expert_gemms`); the backward quantises once into 128-row expert slots
 (:func:`glm52_model.ops.grouped_mm.group_slots`), which the wgrad's tiles along tokens need, and runs its
 GEMMs per expert slot. The GEMMs are cuBLASLt's sm90 blockwise FP8 GEMM on CUDA (``torch._scaled_mm``, as in
 ``glm52::fp8_blockwise_mm``), the dequantise-then-matmul reference on the CPU. The quantisers are the kernel's

@@ -153,9 +153,8 @@ def faster_budget(step_ms: Mapping[int, float], budget: int, samples: Mapping[in
     ``step_ms``: the fastest step measured at each budget, ``budget``'s included; ``samples``: how many steps were
     measured at each, where ``budget`` is judged only once ``CONFIRM`` steps were measured at it (one slow step, a
     pool growing or another process on the host, does not cap the plan for good); without it, the verdict of the
-    times alone. Keeping a value on
-    the device instead of copying it should never cost time; where the measurement says it did (the allocator,
-    bandwidth the copies shared), the plan does not spend that memory."""
+    times alone. Keeping a value on the device instead of copying it should never cost time; where the measurement
+    says it did (the allocator, bandwidth the copies shared), the plan does not spend that memory."""
     here = step_ms.get(budget)
     below = [(ms, b) for b, ms in step_ms.items() if b < budget]
     if here is None or not below or (samples is not None and samples.get(budget, 0) < CONFIRM):

@@ -6,8 +6,8 @@ recorded (:func:`~sacpass.offload.placement.place_step`); the first, which has n
 (:func:`~sacpass.offload.placement.place_arriving`). With a peak cap the device budget follows the measured peak
 (:func:`~sacpass.offload.placement.follow_peak`), read as each backward ends; a budget rises only once the
 budget in hand has been measured (a step placed at it), and where a larger budget measured slower than a smaller
-one, in two steps, the plan goes back to the faster and holds there (:func:`~sacpass.offload.placement.faster_budget`): more
-budget never makes the step slower.
+one, in two steps, the plan goes back to the faster and holds there
+(:func:`~sacpass.offload.placement.faster_budget`): more budget never makes the step slower.
 """
 from __future__ import annotations
 
