@@ -40,6 +40,7 @@ largest free block at the time. ``--append`` adds the variants to ``--out``'s, f
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import gc
@@ -155,7 +156,7 @@ def profile_step(model, ids, sync) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, GcClock(annotate=True) as gcs:
         model.zero_grad(set_to_none=True)
         with torch.profiler.record_function(PHASES[0]):
             loss = model(ids, labels=ids)
@@ -165,7 +166,7 @@ def profile_step(model, ids, sync) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
-    return timeline_summary(events)
+    return {**timeline_summary(events), "gc": gcs.summary()}
 
 
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # a kernel's launch: cudaLaunchKernel, or cuLaunchKernel(Ex)
@@ -230,6 +231,8 @@ def timeline_summary(events: list[dict]) -> dict:
         return total
 
     gaps = sorted(((b[0] - a[1], a[1]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] > 1e3), reverse=True)
+    starts = sorted(((float(e["ts"]), e) for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"),
+                    key=lambda t: t[0])
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {"kernel_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items())},
             # kernel time by the phase that launched it: the forward, the backward (its recompute included)
@@ -239,9 +242,76 @@ def timeline_summary(events: list[dict]) -> dict:
             # the GPU idle between its first kernel and its last: waits (a reload, a host sync) and launch gaps
             "kernel_span_ms": (busy[-1][1] - busy[0][0]) / 1e3 if busy else 0.0,
             "idle_over_1ms": {"count": len(gaps), "ms": sum(g for g, _ in gaps) / 1e3,
-                              "largest_ms_at": [(g / 1e3, (at - busy[0][0]) / 1e3) for g, at in gaps[:8]]},
+                              "largest_ms_at": [(g / 1e3, (at - busy[0][0]) / 1e3) for g, at in gaps[:8]],
+                              "largest_why": [gap_cause(events, starts, launched, at, at + g) for g, at in gaps[:8]]},
             "copy_ms": {w: sum(b - a for a, b in merged(c)) / 1e3 for w, c in copies.items()},
             "copy_not_hidden_ms": {w: unhidden(c) / 1e3 for w, c in copies.items()}}
+
+
+GAP_CAUSES = 4  # the CPU ranges named per idle gap
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+
+
+def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: float) -> dict:
+    """What the GPU waited for between ``a`` and ``b`` (µs): the kernel that ended the gap was launched either late
+    (``launched_ms_before_start`` small: the host was busy, and the CPU ranges open on the launching thread during
+    the gap say with what, innermost first), or early (the stream waited on another: a copy, an event). With the
+    host's synchronising calls made during the gap."""
+    i = bisect.bisect_left(starts, b, key=lambda t: t[0])
+    nxt = starts[i][1] if i < len(starts) else None
+    corr = (nxt or {}).get("args", {}).get("correlation")
+    at = launched.get(corr)
+    tid = next((e.get("tid") for e in events if e.get("cat") in LAUNCH_CATEGORIES
+                and e.get("args", {}).get("correlation") == corr), None)
+    open_ranges, syncs = [], []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e or e.get("cat") in DEVICE_CATEGORIES or e.get("tid") != tid:
+            continue
+        s, d = float(e["ts"]), float(e["dur"])
+        overlap = min(b, s + d) - max(a, s)
+        if overlap <= 0:
+            continue
+        if overlap >= 0.5 * (b - a):
+            open_ranges.append((d, e["name"][:80], overlap))
+        if e.get("cat") in LAUNCH_CATEGORIES and "ynchronize" in e["name"] and d > 100:
+            syncs.append((e["name"], round(d / 1e3, 3)))
+    open_ranges.sort()
+    return {"next_kernel": (nxt or {}).get("name", "?")[:80],
+            "launched_ms_before_start": None if at is None else round((b - at) / 1e3, 3),
+            "host_ranges": [(n, round(o / 1e3, 3)) for _, n, o in open_ranges[:GAP_CAUSES]],
+            "host_syncs": syncs[:GAP_CAUSES]}
+
+
+class GcClock:
+    """Python's cyclic garbage collector over some steps: its passes by generation and the time they took (a pass
+    holds the launching thread, and the GPU idles once its queue runs dry). Use as a context manager; inside
+    :func:`profile_step` each pass is also a ``gc.gen<n>`` range on the profiler's timeline."""
+
+    def __init__(self, annotate: bool = False):
+        self.passes, self.ms, self._t, self._range, self.annotate = [0, 0, 0], 0.0, 0.0, None, annotate
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+            if self.annotate:
+                self._range = torch.profiler.record_function(f"gc.gen{info['generation']}")
+                self._range.__enter__()
+        else:
+            if self._range is not None:
+                self._range.__exit__(None, None, None)
+                self._range = None
+            self.passes[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._t) * 1e3
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, steps: int = 1) -> dict:
+        return {"passes_by_generation": self.passes, "ms_per_step": self.ms / steps}
 
 
 def memory_phases(model, ids, segments: bool = False) -> list[dict]:
@@ -433,18 +503,20 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         torch.cuda.reset_peak_memory_stats()
     offload_runtime.reset_stats()
     times, loss, allocator = [], first, []
-    for _ in range(args.steps):
-        before = allocator_counts(device)
-        a = time.perf_counter()
-        loss = step(model, ids)
-        sync()
-        times.append((time.perf_counter() - a) * 1e3)
-        after = allocator_counts(device)
-        allocator.append({k: after[k] - before[k] for k in after})
+    with GcClock() as gcs:
+        for _ in range(args.steps):
+            before = allocator_counts(device)
+            a = time.perf_counter()
+            loss = step(model, ids)
+            sync()
+            times.append((time.perf_counter() - a) * 1e3)
+            after = allocator_counts(device)
+            allocator.append({k: after[k] - before[k] for k in after})
     st = offload_runtime.stats()
     plan = getattr(getattr(be, "config", None), "plan", None)
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
            "settle_steps": settled, "allocator_per_step": allocator,
+           "gc": gcs.summary(args.steps),
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
            "fp8_experts": model.cfg.fp8_experts,
            "graphs": len(reports), "saved_activation_gib_per_graph": [r.activation_bytes / 2 ** 30 for r in reports],

@@ -64,17 +64,21 @@ def test_the_profile_counts_kernels_copies_not_hidden_and_the_gpu_s_idle_gaps():
     """A hand-written CUDA timeline (µs): kernels at 0-1000 (a GEMM), 1500-4000 (sparse MLA) and 7000-8000 (a
     Triton kernel), an H2D copy at 3500-6000 of which 2000 µs ran beside no kernel, a D2H copy under a kernel. The
     GPU idled 3000 µs (at 4000) and 500 µs (under the 1 ms floor) between its kernels."""
-    def ev(cat, name, ts, dur, launch=None):
-        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    def ev(cat, name, ts, dur, launch=None, tid=1):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
         if launch is not None:  # the kernel's launch on the CPU (a runtime call sharing its correlation id)
             e["args"] = {"correlation": launch}
         return e
 
     forward, backward = bench_model.PHASES
     s = bench_model.timeline_summary([
-        ev("user_annotation", forward, -100, 50), ev("user_annotation", backward, -40, 40),
+        ev("user_annotation", forward, -100, 50), ev("user_annotation", backward, -40, 8100),
         ev("cuda_runtime", "cudaLaunchKernel", -90, 1, launch=1), ev("cuda_driver", "cuLaunchKernelEx", -30, 1, launch=2),
-        ev("cuda_runtime", "cudaLaunchKernel", -20, 1, launch=3),
+        ev("cuda_runtime", "cudaLaunchKernel", 6990, 1, launch=3),
+        # the host between the second kernel's end and the third's launch: a Python GC pass inside a region's forward,
+        # with a synchronising call in it; a range on another thread (the feeder's) is not the launching thread's
+        ev("cpu_op", "region.forward", 3000, 4500), ev("user_annotation", "gc.gen2", 3900, 3000),
+        ev("cuda_runtime", "cudaEventSynchronize", 4100, 800), ev("cpu_op", "feeder", 3000, 5000, tid=2),
         ev("kernel", "sm90_xmma_gemm_bf16", 0, 1000, launch=1), ev("kernel", "sparse_mla_fwd", 1500, 2500, launch=2),
         ev("kernel", "triton_poi_fused_0", 7000, 1000, launch=3), ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3500, 2500),
         ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 100, 500), {"ph": "i", "name": "marker", "ts": 5}])
@@ -83,7 +87,10 @@ def test_the_profile_counts_kernels_copies_not_hidden_and_the_gpu_s_idle_gaps():
         ("sparse_mla_fwd", 1, 2.5), ("sm90_xmma_gemm_bf16", 1, 1.0), ("triton_poi_fused_0", 1, 1.0)]
     assert s["kernel_ms_by_kind"] == {"gemm": 1.0, "sparse_mla": 2.5, "triton": 1.0}
     assert s["kernel_busy_ms"] == 4.5 and s["kernel_span_ms"] == 8.0
-    assert s["idle_over_1ms"] == {"count": 1, "ms": 3.0, "largest_ms_at": [(3.0, 4.0)]}
+    assert s["idle_over_1ms"] == {"count": 1, "ms": 3.0, "largest_ms_at": [(3.0, 4.0)], "largest_why": [
+        {"next_kernel": "triton_poi_fused_0", "launched_ms_before_start": 0.01,
+         "host_ranges": [("gc.gen2", 2.9), ("region.forward", 3.0), ("bench.backward", 3.0)],
+         "host_syncs": [("cudaEventSynchronize", 0.8)]}]}
     assert s["copy_ms"] == {"HtoD": 2.5, "DtoH": 0.5} and s["copy_not_hidden_ms"] == {"HtoD": 2.0, "DtoH": 0.0}
 
 
@@ -110,3 +117,20 @@ def test_warm_up_goes_on_while_a_model_plan_s_budget_moves_or_is_in_doubt(monkey
                         lambda p: dict(zip(("device_budget", "doubt"), states[n[0]])))
     assert bench_model.settle(None, None, plan, most=5) == 4 and n[0] == 4
     assert bench_model.settle(None, None, object(), most=5) == 0  # not a model plan: nothing to settle
+
+
+def test_the_gc_clock_counts_python_s_collector_passes_and_marks_them_on_the_profiler_s_timeline():
+    import gc
+
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
+            bench_model.GcClock(annotate=True) as clock:
+        gc.collect()
+        gc.collect(0)
+    assert clock.passes[2] == 1 and clock.passes[0] >= 1 and clock.ms > 0
+    assert clock.summary(steps=2)["ms_per_step"] == clock.ms / 2
+    names = {e.name for e in prof.events()}
+    assert {"gc.gen2", "gc.gen0"} <= names
+    gc.collect()
+    assert clock.passes[2] == 1  # the clock counts only while entered
