@@ -148,7 +148,7 @@ def step(model, ids) -> torch.Tensor:
     return loss.detach()
 
 
-def profile_step(model, ids, sync) -> dict:
+def profile_step(model, ids, sync, stack: bool = False) -> dict:
     """One step under the profiler, from its CUDA timeline: kernel time by kind, copy time each way, the copy time
     no kernel ran beside (not hidden), and the GPU's idle time between kernels: the gaps over 1 ms, the largest
     with when they began (ms from the step's first kernel)."""
@@ -156,7 +156,8 @@ def profile_step(model, ids, sync) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, GcClock(annotate=True) as gcs:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof, \
+            GcClock(annotate=True) as gcs:
         model.zero_grad(set_to_none=True)
         with torch.profiler.record_function(PHASES[0]):
             loss = model(ids, labels=ids)
@@ -248,7 +249,7 @@ def timeline_summary(events: list[dict]) -> dict:
             "copy_not_hidden_ms": {w: unhidden(c) / 1e3 for w, c in copies.items()}}
 
 
-GAP_CAUSES = 4  # the CPU ranges named per idle gap
+GAP_CAUSES = 6  # the host ranges named per idle gap (innermost first: with --profile-stack, Python functions)
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
@@ -554,7 +555,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
         if args.profile:
-            row["profile"] = profile_step(model, ids, sync)
+            row["profile"] = profile_step(model, ids, sync, stack=args.profile_stack)
         if args.memory:
             row["memory_phases"] = memory_phases(model, ids, segments=args.segments)
     limit = offload_runtime.prefetch_limit(device)
@@ -591,6 +592,9 @@ def main(argv=None) -> dict:
                         "(control's peak allocated, measured before it); the plan keeps more on the device, step by "
                         "step, while the measured peak stays within it")
     p.add_argument("--profile", action="store_true", help="profile one more step per variant (CUDA timeline)")
+    p.add_argument("--profile-stack", action="store_true",
+                   help="with --profile: record Python calls too, so each large idle gap names the Python functions "
+                        "the launching thread was in (slows the host: the gaps grow, their causes show)")
     p.add_argument("--memory", action="store_true",
                    help="one more step per variant: peak allocated and reserved memory by phase (each layer's forward and "
                         "backward)")

@@ -26,7 +26,7 @@ REGEN = "python3 benchmarks/results_page.py"
 META_KEYS = ("kind", "title", "about", "command", "commit", "torch", "tilelang", "cuda", "machine")
 NAME_RULE = re.compile(r"(run|issue)[0-9]+", re.I)      # a results file is named by what it measures, never a run
 KIND_ORDER = ("topk_op", "logits_sweep", "select_sweep", "topk_host", "ncu", "sparse_mla", "experts", "layer",
-              "layer_profile", "model", "sac_vs_sacpass", "router_drift", "host_read")
+              "layer_profile", "model", "sac_vs_sacpass", "router_drift", "host_read", "host_pace")
 ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json",
          "ncu_logits_32k_h200.txt", "ncu_select_32k_h200.txt", "sparse_mla_16k_h200.json",
          "sparse_mla_bwd_dkv_layouts_64heads_16k_h200.json", "experts_16k_h200.json", "layer_h200.json", "layer_64k_h200.json",
@@ -35,7 +35,7 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json
          "allocator_16layers_64k_h200.json", "prefetch_16layers_64k_h200.json", "plan_8layers_128k_h200.json",
          "allocator_8layers_128k_h200.json", "compress_16layers_64k_h200.json",
          "compress_8layers_128k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json",
-         "host_read_beside_copies_h100.json")
+         "host_read_beside_copies_h100.json", "gaps_8layers_64k_h100.json", "host_pace_beside_fed_copies_h100.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
 VARIANT_LABELS = {"default": "default"}
 
@@ -310,6 +310,19 @@ def r_model(e, plots):
                       + [f(p["kernel_busy_ms"] / 1e3), f"{f(p['copy_ms']['HtoD'] / 1e3)} / {f(p['copy_ms']['DtoH'] / 1e3)}",
                          f"{f(p['copy_not_hidden_ms']['HtoD'] / 1e3)} / {f(p['copy_not_hidden_ms']['DtoH'] / 1e3)}"]
                       for v, p in profiled.items()])
+    why = {v: p["idle_over_1ms"] for v, p in profiled.items() if p.get("idle_over_1ms", {}).get("largest_why")}
+    for v, idle in why.items():
+        out += [f"`{v}`, the profiled step's largest GPU idle gaps ({idle['count']} over 1 ms, {f(idle['ms'], '.0f')} ms "
+                "in all): when each began (ms from the step's first kernel), the kernel that ended it and how long "
+                "before it ran it was launched (little: the host was late; much: the stream waited on another), the "
+                "innermost host ranges open on the launching thread through most of the gap, and its synchronising "
+                "calls.", ""]
+        out += table(["gap ms", "at ms", "next kernel", "launched ms before", "host ranges (innermost first)",
+                      "host syncs"],
+                     [[f(g, ".1f"), f(at, ".0f"), f(w["next_kernel"][:48]), f(w["launched_ms_before_start"], ".2f"),
+                       f("; ".join(n[:56] for n, _ in w["host_ranges"][:3])),
+                       f(", ".join(f"{n} {ms:.1f} ms" for n, ms in w["host_syncs"]))]
+                      for (g, at), w in zip(idle["largest_ms_at"], idle["largest_why"])])
     timed = {v: m["placements"] for v, m in vs.items()
              if m.get("placements") and "d2h_ms_measured" in m["placements"][0]}
     for v, regions in timed.items():
@@ -389,6 +402,14 @@ def r_host_read(e, plots):
     return table(["copy beside the read", "`tolist()` ms", "kernel into pinned ms", "copy GB/s"], rows)
 
 
+def r_host_pace(e, plots):
+    d = e["data"]
+    modes = [k.split("/")[0] for k in d if "/" in k]
+    rows = [[f"`{m}`"] + [f(d[f"{m}/{w}"]["work_ms"]) for w in ("launches", "python")] +
+            [f(d[f"{m}/launches"]["copy_gb_s"]) if m != "none" else "-"] for m in dict.fromkeys(modes)]
+    return table(["copy beside the work", "launch loop ms", "pure Python ms", "copy GB/s"], rows)
+
+
 NCU_METRICS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Issue Slots Busy",
                "Executed Ipc Elapsed", "Registers Per Thread", "Achieved Occupancy")
 
@@ -420,7 +441,8 @@ def r_ncu(e, plots):
 RENDER = {"topk_op": r_topk_op, "logits_sweep": r_logits_sweep, "select_sweep": r_select_sweep,
           "topk_host": r_topk_host, "ncu": r_ncu, "sparse_mla": r_sparse_mla, "experts": r_experts,
           "layer": r_layer, "layer_profile": r_layer_profile, "model": r_model,
-          "sac_vs_sacpass": r_sac_vs_sacpass, "router_drift": r_router_drift, "host_read": r_host_read}
+          "sac_vs_sacpass": r_sac_vs_sacpass, "router_drift": r_router_drift, "host_read": r_host_read,
+          "host_pace": r_host_pace}
 _ENTRIES: list[dict] = []
 
 

@@ -145,6 +145,25 @@ def test_a_profiled_model_variant_shows_its_kernels_by_kind_and_its_copies():
     text = "\n".join(page.r_model(entry, []))
     assert "| variant | gemm | sparse_mla | kernels busy |" in text
     assert "| `model_plan:8` | 1.50 | 2.50 | 3.90 | 0.70 / 0.71 | 0.09 / 0.04 |" in text
+    assert "largest GPU idle gaps" not in text  # a profile from before the gaps were explained: no such table
+    profile["idle_over_1ms"] = {"count": 2, "ms": 30.0, "largest_ms_at": [[25.0, 240.0], [5.0, 900.0]], "largest_why": [
+        {"next_kernel": "triton_red_fused_rmsnorm_0", "launched_ms_before_start": 0.05,
+         "host_ranges": [["## Call CompiledFxGraph abc ##", 24.0], ["CompiledFunction", 24.5]], "host_syncs": []},
+        {"next_kernel": "sparse_mla_bwd", "launched_ms_before_start": 5.2,
+         "host_ranges": [["cudaStreamSynchronize", 5.0]], "host_syncs": [["cudaStreamSynchronize", 6.5]]}]}
+    text = "\n".join(page.r_model(entry, []))
+    assert "`model_plan:8`, the profiled step's largest GPU idle gaps (2 over 1 ms, 30 ms in all)" in text
+    assert ("| 25.0 | 240 | triton_red_fused_rmsnorm_0 | 0.05 | ## Call CompiledFxGraph abc ##; CompiledFunction | - |"
+            in text)
+    assert "| 5.0 | 900 | sparse_mla_bwd | 5.20 | cudaStreamSynchronize | cudaStreamSynchronize 6.5 ms |" in text
+
+
+def test_the_host_pace_probe_is_a_row_per_copy_mode():
+    page = _module()
+    data = {"none/launches": {"work_ms": 26.2, "copy_gb_s": 290.0}, "none/python": {"work_ms": 27.0, "copy_gb_s": 1.0},
+            "fed/launches": {"work_ms": 30.4, "copy_gb_s": 54.6}, "fed/python": {"work_ms": 20.1, "copy_gb_s": 50.7}}
+    text = "\n".join(page.r_host_pace({"meta": {"kind": "host_pace"}, "data": data}, []))
+    assert "| `none` | 26.20 | 27.00 | - |" in text and "| `fed` | 30.40 | 20.10 | 54.60 |" in text
 
 
 def test_a_model_plan_s_regions_show_their_expected_and_measured_copy_times():
