@@ -452,8 +452,9 @@ def allocator_counts(device) -> dict[str, int]:
 
 def settle(model, ids, plan, most: int) -> int:
     """More warm-up steps, at most ``most``, while a model plan's device budget still moves (one following the
-    measured peak rises step by step from 0) or is in doubt (measured slower once): the timed steps then run the
-    budget the plan settled at. Returns the steps run."""
+    measured peak rises step by step from 0), is in doubt (measured slower once), or has not been measured yet (a
+    GPU step's timing is read a step or two later, and a budget rises only once the one in hand is measured): the
+    timed steps then run the budget the plan settled at. Returns the steps run."""
     if not isinstance(plan, sacpass.ModelPlan):
         return 0
     def budget():
@@ -461,12 +462,13 @@ def settle(model, ids, plan, most: int) -> int:
             b = offload_runtime.device_budget(plan)
         except sacpass.SacpassError:  # a plan not yet compiled (its counted step only)
             return None
-        return b["device_budget"], b["doubt"]  # a budget in doubt runs again before it is judged: not settled
+        measured = b["held_at"] is not None or b["step_samples"].get(b["device_budget"], 0) > 0
+        return b["device_budget"], b["doubt"], measured
 
     for n in range(most):
         before = budget()
         step(model, ids)
-        if before is not None and budget() == before and before[1] is None:
+        if before is not None and budget() == before and before[1] is None and before[2]:
             return n + 1
     return most
 

@@ -104,18 +104,26 @@ def test_the_allocator_counters_are_read_on_a_gpu_and_empty_on_the_cpu(monkeypat
         "alloc_retries": 3, "cuda_mallocs": 40, "cuda_frees": 7, "ooms": 0}
 
 
-def test_warm_up_goes_on_while_a_model_plan_s_budget_moves_or_is_in_doubt(monkeypatch):
-    """settle(): steps while the device budget moves, and while a budget measured slower once waits for its second
-    step; it stops at the first step that leaves a budget beyond doubt where it was."""
+def test_warm_up_goes_on_while_a_model_plan_s_budget_moves_is_in_doubt_or_unmeasured(monkeypatch):
+    """settle(): steps while the device budget moves, while a budget measured slower once waits for its second
+    step, and while the budget in hand has no measured step yet (a GPU step's timing is read a step later); it
+    stops at the first step that leaves a measured budget beyond doubt where it was."""
     import sacpass
 
     plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=1 << 20)
-    states = [(0, None), (8, None), (8, 8), (0, None), (0, None), (0, None)]  # (device budget, doubt) after n steps
+    # (device budget, doubt, steps measured at it, held at) after n steps: 0 measured, raised to 8; 8 not yet read,
+    # then slower once (doubt), then held back at 0 for good
+    states = [(0, None, 1, None), (8, None, 0, None), (8, None, 0, None), (8, 8, 1, None), (0, None, 1, 0),
+              (0, None, 1, 0), (0, None, 1, 0)]
     n = [0]
     monkeypatch.setattr(bench_model, "step", lambda model, ids: n.__setitem__(0, n[0] + 1))
-    monkeypatch.setattr(bench_model.offload_runtime, "device_budget",
-                        lambda p: dict(zip(("device_budget", "doubt"), states[n[0]])))
-    assert bench_model.settle(None, None, plan, most=5) == 4 and n[0] == 4
+    monkeypatch.setattr(bench_model.offload_runtime, "device_budget", lambda p: {
+        "device_budget": states[n[0]][0], "doubt": states[n[0]][1], "held_at": states[n[0]][3],
+        "step_samples": {states[n[0]][0]: states[n[0]][2]}})
+    assert bench_model.settle(None, None, plan, most=6) == 5 and n[0] == 5
+    n[0] = 1  # the budget just raised to 8 and never read: the warm-up runs out rather than settle on it
+    states[2:] = [states[1]] * 5
+    assert bench_model.settle(None, None, plan, most=3) == 3
     assert bench_model.settle(None, None, object(), most=5) == 0  # not a model plan: nothing to settle
 
 
