@@ -10,7 +10,6 @@ on the side stream from the launching thread (no thread), or ``fed``, the Feeder
 object: per copy and workload, the workload's median ms over ``--reps`` and the copy's GB/s."""
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -18,18 +17,12 @@ import time
 
 import torch
 
+from host_read_beside_copies import copy_probe
 from sacpass.offload.feeder import CHUNK, Feeder
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--gib", type=float, default=8.0)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out")
-    a = p.parse_args()
-    n = int(a.gib * 2 ** 30)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    a, n, src, dst = copy_probe(gib=8.0)
     x = torch.zeros(256, device="cuda")
     side = torch.cuda.Stream()
     feeder = Feeder(side, torch.cuda.current_device())

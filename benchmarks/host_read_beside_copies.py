@@ -18,15 +18,20 @@ from glm52_model.ops.grouped_mm import host_ints
 from sacpass.offload.feeder import Feeder
 
 
-def main() -> None:
+def copy_probe(gib: float):
+    """The probes' command line (``--gib`` of copy, ``--reps``, ``--out``) and the copy's ends: (args, bytes,
+    device source, pinned host destination)."""
     p = argparse.ArgumentParser()
-    p.add_argument("--gib", type=float, default=4.0)
+    p.add_argument("--gib", type=float, default=gib)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out")
     a = p.parse_args()
     n = int(a.gib * 2 ** 30)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    return a, n, torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+
+def main() -> None:
+    a, n, src, dst = copy_probe(gib=4.0)
     small = torch.arange(257, device="cuda", dtype=torch.int64)
     side = torch.cuda.Stream()
     # the fed modes: the offload runtime's feeder, three 64 MiB chunks queued at most, or at its defaults

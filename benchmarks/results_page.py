@@ -394,20 +394,23 @@ def r_router_drift(e, plots):
                  [["`config`", ", ".join(f"{k}={v}" for k, v in d.get("config", {}).items())]])
 
 
+def _beside_copies(d: dict, field: str, columns: tuple[str, ...], header: list[str]) -> list[str]:
+    """A probe's ``"<copy mode>/<column>"`` entries as a row per copy mode: each column's ``field`` and the
+    copy's GB/s (none without a copy)."""
+    modes = dict.fromkeys(k.split("/")[0] for k in d if "/" in k)
+    rows = [[f"`{m}`"] + [f(d[f"{m}/{c}"][field]) for c in columns] +
+            [f(d[f"{m}/{columns[0]}"]["copy_gb_s"]) if m != "none" else "-"] for m in modes]
+    return table(header + ["copy GB/s"], rows)
+
+
 def r_host_read(e, plots):
-    d = e["data"]
-    modes = [k.split("/")[0] for k in d if "/" in k]
-    rows = [[f"`{m}`"] + [f(d[f"{m}/{how}"]["read_ms"]) for how in ("tolist", "kernel_into_pinned")] +
-            [f(d[f"{m}/tolist"]["copy_gb_s"]) if m != "none" else "-"] for m in dict.fromkeys(modes)]
-    return table(["copy beside the read", "`tolist()` ms", "kernel into pinned ms", "copy GB/s"], rows)
+    return _beside_copies(e["data"], "read_ms", ("tolist", "kernel_into_pinned"),
+                          ["copy beside the read", "`tolist()` ms", "kernel into pinned ms"])
 
 
 def r_host_pace(e, plots):
-    d = e["data"]
-    modes = [k.split("/")[0] for k in d if "/" in k]
-    rows = [[f"`{m}`"] + [f(d[f"{m}/{w}"]["work_ms"]) for w in ("launches", "python")] +
-            [f(d[f"{m}/launches"]["copy_gb_s"]) if m != "none" else "-"] for m in dict.fromkeys(modes)]
-    return table(["copy beside the work", "launch loop ms", "pure Python ms", "copy GB/s"], rows)
+    return _beside_copies(e["data"], "work_ms", ("launches", "python"),
+                          ["copy beside the work", "launch loop ms", "pure Python ms"])
 
 
 NCU_METRICS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Issue Slots Busy",
