@@ -257,7 +257,8 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
     """What the GPU waited for between ``a`` and ``b`` (µs): the kernel that ended the gap was launched either late
     (``launched_ms_before_start`` small: the host was busy, and the CPU ranges open on the launching thread during
     the gap say with what, innermost first), or early (the stream waited on another: a copy, an event). With the
-    host's synchronising calls made during the gap."""
+    CUDA calls over 0.1 ms the launching thread made during the gap, launches aside (synchronisations, copies
+    that wait, allocations)."""
     i = bisect.bisect_left(starts, b, key=lambda t: t[0])
     nxt = starts[i][1] if i < len(starts) else None
     corr = (nxt or {}).get("args", {}).get("correlation")
@@ -274,7 +275,7 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
             continue
         if overlap >= 0.5 * (b - a):
             open_ranges.append((d, e["name"][:80], overlap))
-        if e.get("cat") in LAUNCH_CATEGORIES and "ynchronize" in e["name"] and d > 100:
+        if e.get("cat") in LAUNCH_CATEGORIES and "Launch" not in e["name"] and d > 100:
             syncs.append((e["name"], round(d / 1e3, 3)))
     open_ranges.sort()
     return {"next_kernel": (nxt or {}).get("name", "?")[:80],

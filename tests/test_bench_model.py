@@ -79,6 +79,8 @@ def test_the_profile_counts_kernels_copies_not_hidden_and_the_gpu_s_idle_gaps():
         # with a synchronising call in it; a range on another thread (the feeder's) is not the launching thread's
         ev("cpu_op", "region.forward", 3000, 4500), ev("user_annotation", "gc.gen2", 3900, 3000),
         ev("cuda_runtime", "cudaEventSynchronize", 4100, 800), ev("cpu_op", "feeder", 3000, 5000, tid=2),
+        ev("cuda_runtime", "cudaHostAlloc", 5000, 300), ev("cuda_runtime", "cudaLaunchKernel", 5400, 200),
+        ev("cuda_runtime", "cudaMemcpyAsync", 5700, 50),
         ev("kernel", "sm90_xmma_gemm_bf16", 0, 1000, launch=1), ev("kernel", "sparse_mla_fwd", 1500, 2500, launch=2),
         ev("kernel", "triton_poi_fused_0", 7000, 1000, launch=3), ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3500, 2500),
         ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 100, 500), {"ph": "i", "name": "marker", "ts": 5}])
@@ -90,7 +92,7 @@ def test_the_profile_counts_kernels_copies_not_hidden_and_the_gpu_s_idle_gaps():
     assert s["idle_over_1ms"] == {"count": 1, "ms": 3.0, "largest_ms_at": [(3.0, 4.0)], "largest_why": [
         {"next_kernel": "triton_poi_fused_0", "launched_ms_before_start": 0.01,
          "host_ranges": [("gc.gen2", 2.9), ("region.forward", 3.0), ("bench.backward", 3.0)],
-         "host_syncs": [("cudaEventSynchronize", 0.8)]}]}
+         "host_syncs": [("cudaEventSynchronize", 0.8), ("cudaHostAlloc", 0.3)]}]}
     assert s["copy_ms"] == {"HtoD": 2.5, "DtoH": 0.5} and s["copy_not_hidden_ms"] == {"HtoD": 2.0, "DtoH": 0.0}
 
 
