@@ -312,8 +312,8 @@ def r_model(e, plots):
                       for v, p in profiled.items()])
     why = {v: p["idle_over_1ms"] for v, p in profiled.items() if p.get("idle_over_1ms", {}).get("largest_why")}
     for v, idle in why.items():
-        out += [f"`{v}`, the profiled step's largest GPU idle gaps ({idle['count']} over 1 ms, {f(idle['ms'], '.0f')} ms "
-                "in all): when each began (ms from the step's first kernel), the kernel that ended it and how long "
+        out += [f"`{v}`, the profiled step's largest GPU idle gaps ({idle['count']} over 1 ms, "
+                f"{f(idle['ms'], '.0f')} ms in all): when each began (ms from the step's first kernel), the kernel that ended it and how long "
                 "before it ran it was launched (little: the host was late; much: the stream waited on another), the "
                 "innermost host ranges open on the launching thread through most of the gap, and its CUDA calls "
                 "over 0.1 ms (launches aside).", ""]
