@@ -266,22 +266,34 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
     tid = next((e.get("tid") for e in events if e.get("cat") in LAUNCH_CATEGORIES
                 and e.get("args", {}).get("correlation") == corr), None)
     open_ranges, syncs = [], []
+    within: dict[tuple[bool, str], list] = {}  # (on the launching thread, name) -> [count, overlap]
     for e in events:
-        if e.get("ph") != "X" or "dur" not in e or e.get("cat") in DEVICE_CATEGORIES or e.get("tid") != tid:
+        if e.get("ph") != "X" or "dur" not in e or e.get("cat") in DEVICE_CATEGORIES:
             continue
         s, d = float(e["ts"]), float(e["dur"])
         overlap = min(b, s + d) - max(a, s)
         if overlap <= 0:
             continue
-        if overlap >= 0.5 * (b - a):
+        mine = e.get("tid") == tid
+        if mine and overlap >= 0.5 * (b - a):
             open_ranges.append((d, e["name"][:80], overlap))
-        if e.get("cat") in LAUNCH_CATEGORIES and "Launch" not in e["name"] and d > 100:
+        else:
+            tally = within.setdefault((mine, e["name"][:80]), [0, 0.0])
+            tally[0], tally[1] = tally[0] + 1, tally[1] + overlap
+        if mine and e.get("cat") in LAUNCH_CATEGORIES and "Launch" not in e["name"] and d > 100:
             syncs.append((e["name"], round(d / 1e3, 3)))
     open_ranges.sort()
+
+    def busiest(mine: bool) -> list:
+        rows = sorted(((o, n, c) for (m, n), (c, o) in within.items() if m == mine), reverse=True)
+        return [(n, c, round(o / 1e3, 3)) for o, n, c in rows[:GAP_CAUSES]]
     return {"next_kernel": (nxt or {}).get("name", "?")[:80],
             "launched_ms_before_start": None if at is None else round((b - at) / 1e3, 3),
             "host_ranges": [(n, round(o / 1e3, 3)) for _, n, o in open_ranges[:GAP_CAUSES]],
-            "host_syncs": syncs[:GAP_CAUSES]}
+            "host_syncs": syncs[:GAP_CAUSES],
+            # the ranges that ran inside the gap, by name: (name, how many, ms of the gap they covered), the
+            # launching thread's and the other threads' (the offload feeder's, autograd's)
+            "host_work": busiest(True), "other_threads": busiest(False)}
 
 
 class GcClock:

@@ -315,13 +315,14 @@ def r_model(e, plots):
         out += [f"`{v}`, the profiled step's largest GPU idle gaps ({idle['count']} over 1 ms, "
                 f"{f(idle['ms'], '.0f')} ms in all): when each began (ms from the step's first kernel), the kernel that ended it and how long "
                 "before it ran it was launched (little: the host was late; much: the stream waited on another), the "
-                "innermost host ranges open on the launching thread through most of the gap, and its CUDA calls "
-                "over 0.1 ms (launches aside).", ""]
+                "innermost host ranges open on the launching thread through most of the gap, its CUDA calls "
+                "over 0.1 ms (launches aside), and what ran inside the gap on it (by name: how many, ms).", ""]
         out += table(["gap ms", "at ms", "next kernel", "launched ms before", "host ranges (innermost first)",
-                      "host CUDA calls"],
+                      "host CUDA calls", "inside the gap"],
                      [[f(g, ".1f"), f(at, ".0f"), f(w["next_kernel"][:48]), f(w["launched_ms_before_start"], ".2f"),
                        f("; ".join(n[:56] for n, _ in w["host_ranges"][:3])),
-                       f(", ".join(f"{n} {ms:.1f} ms" for n, ms in w["host_syncs"]))]
+                       f(", ".join(f"{n} {ms:.1f} ms" for n, ms in w["host_syncs"])),
+                       f(", ".join(f"{n[:40]} x{c} {ms:.1f} ms" for n, c, ms in w.get("host_work", [])[:3]))]
                       for (g, at), w in zip(idle["largest_ms_at"], idle["largest_why"])])
     timed = {v: m["placements"] for v, m in vs.items()
              if m.get("placements") and "d2h_ms_measured" in m["placements"][0]}

@@ -148,14 +148,15 @@ def test_a_profiled_model_variant_shows_its_kernels_by_kind_and_its_copies():
     assert "largest GPU idle gaps" not in text  # a profile from before the gaps were explained: no such table
     profile["idle_over_1ms"] = {"count": 2, "ms": 30.0, "largest_ms_at": [[25.0, 240.0], [5.0, 900.0]], "largest_why": [
         {"next_kernel": "triton_red_fused_rmsnorm_0", "launched_ms_before_start": 0.05,
-         "host_ranges": [["## Call CompiledFxGraph abc ##", 24.0], ["CompiledFunction", 24.5]], "host_syncs": []},
+         "host_ranges": [["## Call CompiledFxGraph abc ##", 24.0], ["CompiledFunction", 24.5]], "host_syncs": [],
+         "host_work": [["sacpass::stash", 22, 20.5]]},
         {"next_kernel": "sparse_mla_bwd", "launched_ms_before_start": 5.2,
          "host_ranges": [["cudaStreamSynchronize", 5.0]], "host_syncs": [["cudaStreamSynchronize", 6.5]]}]}
     text = "\n".join(page.r_model(entry, []))
     assert "`model_plan:8`, the profiled step's largest GPU idle gaps (2 over 1 ms, 30 ms in all)" in text
-    assert ("| 25.0 | 240 | triton_red_fused_rmsnorm_0 | 0.05 | ## Call CompiledFxGraph abc ##; CompiledFunction | - |"
-            in text)
-    assert "| 5.0 | 900 | sparse_mla_bwd | 5.20 | cudaStreamSynchronize | cudaStreamSynchronize 6.5 ms |" in text
+    assert ("| 25.0 | 240 | triton_red_fused_rmsnorm_0 | 0.05 | ## Call CompiledFxGraph abc ##; CompiledFunction | - | "
+            "sacpass::stash x22 20.5 ms |" in text)
+    assert "| 5.0 | 900 | sparse_mla_bwd | 5.20 | cudaStreamSynchronize | cudaStreamSynchronize 6.5 ms | - |" in text
 
 
 def test_the_host_pace_probe_is_a_row_per_copy_mode():
