@@ -184,11 +184,12 @@ def timeline_summary(events: list[dict]) -> dict:
     by_phase: dict = {}
     ranges = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
               if e.get("ph") == "X" and e.get("name") in PHASES and "dur" in e]
-    launched = {e["args"]["correlation"]: float(e["ts"]) for e in events
+    # correlation id -> (when the launch was made, the thread that made it)
+    launched = {e["args"]["correlation"]: (float(e["ts"]), e.get("tid")) for e in events
                 if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
 
     def phase(e):
-        at = launched.get(e.get("args", {}).get("correlation"))
+        at = launched.get(e.get("args", {}).get("correlation"), (None,))[0]
         return next((n for n, a, b in ranges if at is not None and a <= at <= b), "outside")
 
     for e in events:
@@ -262,9 +263,7 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
     i = bisect.bisect_left(starts, b, key=lambda t: t[0])
     nxt = starts[i][1] if i < len(starts) else None
     corr = (nxt or {}).get("args", {}).get("correlation")
-    at = launched.get(corr)
-    tid = next((e.get("tid") for e in events if e.get("cat") in LAUNCH_CATEGORIES
-                and e.get("args", {}).get("correlation") == corr), None)
+    at, tid = launched.get(corr, (None, None))
     open_ranges, syncs = [], []
     within: dict[tuple[bool, str], list] = {}  # (on the launching thread, name) -> [count, overlap]
     for e in events:

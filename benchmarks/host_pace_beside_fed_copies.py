@@ -18,14 +18,13 @@ import time
 import torch
 
 from host_read_beside_copies import copy_probe
-from sacpass.offload.feeder import CHUNK, Feeder
+
+MODES = {"none": "none", "queued": "chunks64m", "fed": "sacpass"}  # this probe's copies, as Copies names them
 
 
 def main() -> None:
-    a, n, src, dst = copy_probe(gib=8.0)
+    a, copies = copy_probe(gib=8.0)
     x = torch.zeros(256, device="cuda")
-    side = torch.cuda.Stream()
-    feeder = Feeder(side, torch.cuda.current_device())
 
     def launches():
         for _ in range(3000):
@@ -33,19 +32,6 @@ def main() -> None:
 
     def python():
         return sum(i * i for i in range(300_000))
-
-    def start(copy):
-        if copy == "none":
-            return None
-        ready = torch.cuda.Event()
-        ready.record()
-        if copy == "fed":
-            return feeder.submit(dst, src, ready)
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
-            for i in range(0, n, CHUNK):
-                dst[i:i + CHUNK].copy_(src[i:i + CHUNK], non_blocking=True)
-        return None
 
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gib": a.gib,
            "switch_interval_ms": sys.getswitchinterval() * 1e3}
@@ -55,16 +41,14 @@ def main() -> None:
             for _ in range(a.reps + 1):  # the first warms the loop and the feeder's thread
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                fed = start(copy)
+                wait = copies.start(MODES[copy])
                 time.sleep(0.003)  # the copy under way
                 w0 = time.perf_counter()
                 work()
                 ms.append((time.perf_counter() - w0) * 1e3)
-                if fed is not None:
-                    fed.synchronize()
-                side.synchronize()
+                wait()
                 torch.cuda.synchronize()
-                rates.append(n / (time.perf_counter() - t0) / 1e9)
+                rates.append(copies.n / (time.perf_counter() - t0) / 1e9)
             row = {"work_ms": statistics.median(ms[1:]), "copy_gb_s": statistics.median(rates[1:])}
             out[f"{copy}/{name}"] = row
             print(copy, name, row, flush=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -18,47 +18,58 @@ from glm52_model.ops.grouped_mm import host_ints
 from sacpass.offload.feeder import Feeder
 
 
-def copy_probe(gib: float):
-    """The probes' command line (``--gib`` of copy, ``--reps``, ``--out``) and the copy's ends: (args, bytes,
-    device source, pinned host destination)."""
+class Copies:
+    """The probes' copy of ``n`` bytes from a device buffer to a pinned host one on a side stream, begun as a mode
+    says: ``one`` copy, ``chunks64m`` / ``chunks8m`` copies queued at once, or fed by the offload runtime's feeder
+    (:mod:`sacpass.offload.feeder`), three 64 MiB chunks ahead at most (``fed64m``) or at its defaults
+    (``sacpass``); ``none``: no copy."""
+
+    QUEUED_AT_ONCE = {"one": None, "chunks64m": 64 << 20, "chunks8m": 8 << 20}  # mode -> chunk (None: whole)
+
+    def __init__(self, n: int):
+        self.n = n
+        self.src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        self.dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        self.side = torch.cuda.Stream()
+        device = torch.cuda.current_device()
+        self.feeders = {"fed64m": Feeder(self.side, device, chunk=64 << 20, queued=3),
+                        "sacpass": Feeder(self.side, device)}
+
+    def start(self, mode: str) -> Callable[[], None]:
+        """Begin the copy after the current stream's work so far; returns what waits for its end."""
+        if mode == "none":
+            return lambda: None
+        ready = torch.cuda.Event()
+        ready.record()
+        if mode in self.feeders:
+            return self.feeders[mode].submit(self.dst, self.src, ready).synchronize
+        chunk = self.QUEUED_AT_ONCE[mode] or self.n
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(ready)
+            for i in range(0, self.n, chunk):
+                self.dst[i:i + chunk].copy_(self.src[i:i + chunk], non_blocking=True)
+        return self.side.synchronize
+
+
+def copy_probe(gib: float) -> tuple[argparse.Namespace, Copies]:
+    """The probes' command line (``--gib`` of copy, ``--reps``, ``--out``) and their :class:`Copies`."""
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, default=gib)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out")
     a = p.parse_args()
-    n = int(a.gib * 2 ** 30)
-    return a, n, torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    return a, Copies(int(a.gib * 2 ** 30))
 
 
 def main() -> None:
-    a, n, src, dst = copy_probe(gib=4.0)
+    a, copies = copy_probe(gib=4.0)
     small = torch.arange(257, device="cuda", dtype=torch.int64)
-    side = torch.cuda.Stream()
-    # the fed modes: the offload runtime's feeder, three 64 MiB chunks queued at most, or at its defaults
-    feeders = {"fed64m": Feeder(side, torch.cuda.current_device(), chunk=64 << 20, queued=3),
-               "sacpass": Feeder(side, torch.cuda.current_device())}
 
     def plain_read():
         return small.tolist()
 
     def kernel_read():  # the GLM-5.2 model's row-counts read: a kernel writes into pinned memory
         return host_ints(small)
-
-    def start_copy(mode):
-        if mode == "none":
-            return None
-        if mode in feeders:
-            ready = torch.cuda.Event()
-            ready.record()
-            fed = feeders[mode].submit(dst, src, ready)
-            t = threading.Thread(target=fed.synchronize)
-            t.start()
-            return t
-        chunk = {"one": n, "chunks64m": 64 << 20, "chunks8m": 8 << 20}[mode]
-        with torch.cuda.stream(side):
-            for i in range(0, n, chunk):
-                dst[i:i + chunk].copy_(src[i:i + chunk], non_blocking=True)
-        return None
 
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gib": a.gib}
     for mode in ("none", "one", "chunks64m", "chunks8m", "fed64m", "sacpass"):
@@ -67,16 +78,14 @@ def main() -> None:
             for _ in range(a.reps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                th = start_copy(mode)
+                wait = copies.start(mode)
                 time.sleep(0.005)
                 r0 = time.perf_counter()
                 vals = read()
                 reads.append((time.perf_counter() - r0) * 1e3)
                 assert vals[-1] == 256
-                if th is not None:
-                    th.join()
-                side.synchronize()
-                rates.append(n / (time.perf_counter() - t0) / 1e9)
+                wait()
+                rates.append(copies.n / (time.perf_counter() - t0) / 1e9)
             out[f"{mode}/{read_name}"] = {"read_ms": statistics.median(reads), "copy_gb_s": statistics.median(rates)}
             print(mode, read_name, out[f"{mode}/{read_name}"], flush=True)
     print(json.dumps(out))
