@@ -259,13 +259,15 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
     (``launched_ms_before_start`` small: the host was busy, and the CPU ranges open on the launching thread during
     the gap say with what, innermost first), or early (the stream waited on another: a copy, an event). With the
     CUDA calls over 0.1 ms the launching thread made during the gap, launches aside (synchronisations, copies
-    that wait, allocations)."""
+    that wait, allocations), and where the launching thread's time in the gap went: each range's *own* time there
+    (its time less that of the ranges nested in it), by name, so that with ``--profile-stack`` the Python function
+    that held the host stands first."""
     i = bisect.bisect_left(starts, b, key=lambda t: t[0])
     nxt = starts[i][1] if i < len(starts) else None
     corr = (nxt or {}).get("args", {}).get("correlation")
     at, tid = launched.get(corr, (None, None))
-    open_ranges, syncs = [], []
-    within: dict[tuple[bool, str], list] = {}  # (on the launching thread, name) -> [count, overlap]
+    open_ranges, syncs, mine = [], [], []
+    others: dict[str, list] = {}  # name -> [count, overlap], the other threads' (the offload feeder's, autograd's)
     for e in events:
         if e.get("ph") != "X" or "dur" not in e or e.get("cat") in DEVICE_CATEGORIES:
             continue
@@ -273,26 +275,47 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
         overlap = min(b, s + d) - max(a, s)
         if overlap <= 0:
             continue
-        mine = e.get("tid") == tid
-        if mine and overlap >= 0.5 * (b - a):
-            open_ranges.append((d, e["name"][:80], overlap))
-        else:
-            tally = within.setdefault((mine, e["name"][:80]), [0, 0.0])
+        if e.get("tid") != tid:
+            tally = others.setdefault(e["name"][:80], [0, 0.0])
             tally[0], tally[1] = tally[0] + 1, tally[1] + overlap
-        if mine and e.get("cat") in LAUNCH_CATEGORIES and "Launch" not in e["name"] and d > 100:
+            continue
+        mine.append((s, -d, e["name"][:80], overlap))
+        if overlap >= 0.5 * (b - a):
+            open_ranges.append((d, e["name"][:80], overlap))
+        if e.get("cat") in LAUNCH_CATEGORIES and "Launch" not in e["name"] and d > 100:
             syncs.append((e["name"], round(d / 1e3, 3)))
     open_ranges.sort()
-
-    def busiest(mine: bool) -> list:
-        rows = sorted(((o, n, c) for (m, n), (c, o) in within.items() if m == mine), reverse=True)
-        return [(n, c, round(o / 1e3, 3)) for o, n, c in rows[:GAP_CAUSES]]
     return {"next_kernel": (nxt or {}).get("name", "?")[:80],
             "launched_ms_before_start": None if at is None else round((b - at) / 1e3, 3),
             "host_ranges": [(n, round(o / 1e3, 3)) for _, n, o in open_ranges[:GAP_CAUSES]],
             "host_syncs": syncs[:GAP_CAUSES],
-            # the ranges that ran inside the gap, by name: (name, how many, ms of the gap they covered), the
-            # launching thread's and the other threads' (the offload feeder's, autograd's)
-            "host_work": busiest(True), "other_threads": busiest(False)}
+            # (name, how many, ms): the launching thread's own time in the gap, and the other threads' ranges there
+            "host_work": _busiest(_own_time(mine), 2 * GAP_CAUSES),
+            "other_threads": _busiest(others, GAP_CAUSES)}
+
+
+def _own_time(ranges: list[tuple]) -> dict[str, list]:
+    """{name: [count, own µs]} of one thread's nested ranges ``(start, -duration, name, overlap with a window)``:
+    each range's overlap less that of the ranges directly inside it."""
+    ranges = sorted(ranges)
+    own = [r[3] for r in ranges]
+    stack: list[int] = []
+    for k, (s, neg_d, _, overlap) in enumerate(ranges):
+        while stack and ranges[stack[-1]][0] - ranges[stack[-1]][1] <= s:  # ended before this one began
+            stack.pop()
+        if stack:
+            own[stack[-1]] -= overlap
+        stack.append(k)
+    out: dict[str, list] = {}
+    for (_, _, name, _), us in zip(ranges, own):
+        tally = out.setdefault(name, [0, 0.0])
+        tally[0], tally[1] = tally[0] + 1, tally[1] + max(0.0, us)
+    return out
+
+
+def _busiest(tally: dict[str, list], n: int) -> list:
+    rows = sorted(((us, name, count) for name, (count, us) in tally.items()), reverse=True)
+    return [(name, count, round(us / 1e3, 3)) for us, name, count in rows[:n]]
 
 
 class GcClock:

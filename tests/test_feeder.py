@@ -167,3 +167,36 @@ def test_a_small_copy_with_room_is_queued_at_once_and_one_without_room_waits_its
     assert feeder.thread is not None and engine.most == 2
     third.synchronize()
     assert third.query()
+
+
+def test_a_dense_value_is_one_that_fills_its_span_each_element_once():
+    """The runtime's dense check (whether a value's copy may go as one flat byte range, keeping its strides) against
+    the truth: its elements' offsets are exactly 0..numel-1. Every layout of up to four dims over a few sizes and
+    strides, views with a step, permutations; PyTorch's own check misorders a size-1 dim of stride 0 and says no
+    to (2, 1, 5, 1) at strides (1, 0, 2, 12), which fills its span."""
+    import itertools
+    import random
+
+    from sacpass.offload.sizes import dense
+
+    def truth(x):
+        if not x.numel():
+            return True
+        index = torch.arange(x.untyped_storage().nbytes() // x.element_size())
+        offsets = index.as_strided(x.shape, x.stride(), x.storage_offset()).flatten() - x.storage_offset()
+        return sorted(offsets.tolist()) == list(range(x.numel()))
+
+    rng = random.Random(0)
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        nd = rng.randint(0, 4)
+        shape = [rng.choice([0, 1, 2, 3, 5]) for _ in range(nd)]
+        stride = [rng.choice([0, 1, 2, 3, 5, 6, 15, 30]) for _ in range(nd)]
+        for x in (torch.empty(1000).as_strided(shape, stride), torch.empty(shape).permute(list(reversed(range(nd)))),
+                  torch.empty(shape)[..., ::2] if nd else torch.empty(())):
+            assert dense(x) == truth(x), (tuple(x.shape), x.stride())
+            seen[truth(x)] += 1
+    assert min(seen.values()) > 1000  # both answers, many times
+    odd = torch.empty(10).as_strided((2, 1, 5, 1), (1, 0, 2, 12))
+    assert dense(odd) and truth(odd)
+    assert all(dense(torch.empty(s).permute(*p)) for s in [(2, 3, 4)] for p in itertools.permutations(range(3)))

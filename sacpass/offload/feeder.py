@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import OffloadError
+from .sizes import dense
 
 __all__ = ["CHUNK", "QUEUED", "FedCopy", "Feeder", "chunks"]
 
@@ -85,7 +86,6 @@ def chunks(dst: Tensor, src: Tensor, chunk: int = CHUNK) -> list[tuple[Tensor, T
     """``dst.copy_(src)`` as pieces of at most ``chunk`` bytes: flat byte ranges of both where they share one
     dense layout (the offload's host layout is the source's own where that is dense); else the copy whole. The
     pieces are aliases (:func:`_alias`): the copy does not count as a write of ``dst`` for autograd."""
-    dense = torch._prims_common.is_non_overlapping_and_dense_or_false
     if (dst.shape != src.shape or dst.stride() != src.stride() or dst.dtype != src.dtype or not dense(src)
             or src.numel() * src.element_size() <= chunk):
         return [tuple(_alias(t, t.dtype, t.storage_offset(), t.shape, t.stride()) for t in (dst, src))]

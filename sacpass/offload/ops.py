@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .sizes import dense
+
 __all__ = ["offload", "reload", "stash", "unstash"]
 
 
@@ -36,7 +38,7 @@ def offload(x: Tensor, index: int, after: list[Tensor]) -> Tensor:
 
 @offload.register_fake
 def _(x, index, after):
-    if torch._prims_common.is_non_overlapping_and_dense_or_false(x):
+    if dense(x):  # the runtime's host copy keeps a dense value's strides (sacpass.offload.sizes.host_layout)
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 

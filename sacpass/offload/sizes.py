@@ -7,7 +7,8 @@ from torch import Tensor
 
 from .. import compression
 
-__all__ = ["ALIGN", "pool_bytes", "packs", "packed_pool_bytes", "host_pool_bytes", "host_layout", "format_bytes"]
+__all__ = ["ALIGN", "pool_bytes", "packs", "packed_pool_bytes", "host_pool_bytes", "dense", "host_layout",
+           "format_bytes"]
 
 ALIGN = 512  # bytes: every block of the pool starts and ends on this boundary
 
@@ -34,10 +35,28 @@ def host_pool_bytes(numel: int, dtype: torch.dtype, compress: bool = False) -> i
     return packed_pool_bytes(numel) if packs(dtype, compress) else pool_bytes(numel * dtype.itemsize)
 
 
+def dense(x: Tensor) -> bool:
+    """Whether ``x``'s elements fill one span of memory, each once (its dims, by stride, step over each other
+    exactly). Sizes and strides known: a few integer steps, as the runtime needs once per value it places (PyTorch's
+    own check builds a class at every call on some versions, milliseconds a region). Symbolic ones (a graph
+    compiled with dynamic shapes): PyTorch's check, which answers False rather than guard."""
+    sizes, strides = x.shape, x.stride()
+    if not all(type(v) is int for v in (*sizes, *strides)):
+        return torch._prims_common.is_non_overlapping_and_dense_or_false(x)
+    if x.numel() < 2:
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(sizes, strides) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def host_layout(x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(sizes, strides, bytes) of ``x``'s host copy: its own strides where they are dense, else contiguous."""
     shape = tuple(x.shape)
-    if torch._prims_common.is_non_overlapping_and_dense_or_false(x):
+    if dense(x):
         stride = tuple(x.stride())
     else:
         stride = tuple(torch._prims_common.make_contiguous_strides_for(shape)) if shape else ()
