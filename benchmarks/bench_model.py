@@ -290,26 +290,23 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
             "host_ranges": [(n, round(o / 1e3, 3)) for _, n, o in open_ranges[:GAP_CAUSES]],
             "host_syncs": syncs[:GAP_CAUSES],
             # (name, how many, ms): the launching thread's own time in the gap, and the other threads' ranges there
-            "host_work": _busiest(_own_time(mine), 2 * GAP_CAUSES),
+            "host_work": _busiest(_own_time(mine, a, b), 2 * GAP_CAUSES),
             "other_threads": _busiest(others, GAP_CAUSES)}
 
 
-def _own_time(ranges: list[tuple]) -> dict[str, list]:
-    """{name: [count, own µs]} of one thread's nested ranges ``(start, -duration, name, overlap with a window)``:
-    each range's overlap less that of the ranges directly inside it."""
-    ranges = sorted(ranges)
-    own = [r[3] for r in ranges]
-    stack: list[int] = []
-    for k, (s, neg_d, _, overlap) in enumerate(ranges):
-        while stack and ranges[stack[-1]][0] - ranges[stack[-1]][1] <= s:  # ended before this one began
-            stack.pop()
-        if stack:
-            own[stack[-1]] -= overlap
-        stack.append(k)
+def _own_time(ranges: list[tuple], a: float, b: float) -> dict[str, list]:
+    """{name: [count, own µs]} of one thread's ranges ``(start, -duration, name, overlap)`` inside the window
+    ``a``-``b``: each instant goes to the innermost range open then (the latest begun, the shortest of those), so
+    the times add up to at most the window even where a trace's ranges do not nest cleanly."""
+    spans = [(max(a, s), min(b, s - neg_d), s, neg_d, name) for s, neg_d, name, _ in ranges]
+    cuts = sorted({t for lo, hi, *_ in spans for t in (lo, hi)})
     out: dict[str, list] = {}
-    for (_, _, name, _), us in zip(ranges, own):
-        tally = out.setdefault(name, [0, 0.0])
-        tally[0], tally[1] = tally[0] + 1, tally[1] + max(0.0, us)
+    for name in {sp[4] for sp in spans}:
+        out[name] = [sum(1 for sp in spans if sp[4] == name), 0.0]
+    for lo, hi in zip(cuts, cuts[1:]):
+        inner = max((sp for sp in spans if sp[0] <= lo and sp[1] >= hi), key=lambda sp: (sp[2], sp[3]), default=None)
+        if inner is not None:
+            out[inner[4]][1] += hi - lo
     return out
 
 

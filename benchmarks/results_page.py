@@ -35,7 +35,8 @@ ORDER = ("topk_op_h200.json", "logits_sweep_h200.json", "topk_host_64k_h200.json
          "allocator_16layers_64k_h200.json", "prefetch_16layers_64k_h200.json", "plan_8layers_128k_h200.json",
          "allocator_8layers_128k_h200.json", "compress_16layers_64k_h200.json",
          "compress_8layers_128k_h200.json", "sac_vs_sacpass_h200.json", "router_drift_h200.json",
-         "host_read_beside_copies_h100.json", "gaps_8layers_64k_h100.json", "host_pace_beside_fed_copies_h100.json")
+         "host_read_beside_copies_h100.json", "host_pace_beside_fed_copies_h100.json", "gaps_stack_8layers_64k_h100.json",
+         "gaps_8layers_64k_h100.json")
 # the page's order; a file not named here follows them, by kind (KIND_ORDER) and name
 VARIANT_LABELS = {"default": "default"}
 
