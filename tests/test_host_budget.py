@@ -99,6 +99,45 @@ def test_a_pool_past_its_rank_s_share_names_the_rank_the_budget_and_the_fix(tmp_
     assert memory.held <= b.rank_bytes and len(blocks) == 8
 
 
+def test_a_freed_block_is_handed_out_again_once_its_copies_finish_asked_only_when_the_room_is_needed(tmp_path):
+    """Blocks freed with copies in flight wait; releasing them asks nothing of the copies (a step frees hundreds);
+    an allocation that fits elsewhere asks nothing either; one that needs their room asks each once, takes the
+    finished ones and waits only where none has."""
+    class Copy:  # a copy's completion: done or not, counting the questions
+        asked = 0
+
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            Copy.asked += 1
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    write(tmp_path / "self", "0::/\n")
+    write(tmp_path / "memory.max", str(64 * MIB))
+    memory = HostMemory(host_budget({}, cgroup_root=str(tmp_path), proc_cgroup=str(tmp_path / "self")),
+                        available=lambda: 1 << 40)
+    memory.limit = 4 * MIB  # one slab of 4 MiB (plain memory: the pinned kind's logic on a machine without a GPU)
+    pool = memory.kinds[False]
+    blocks = [memory.allocate(MIB, pinned=False) for _ in range(3)]
+    copies = [Copy(done=False), Copy(done=True), Copy(done=False)]
+    for block, copy in zip(blocks, copies):
+        block.events["d2h"] = copy
+        memory.release(block, pinned=False)
+    assert Copy.asked == 0 and len(pool.pending) == 3
+    memory.allocate(MIB, pinned=False)  # the slab's fourth MiB: the freed blocks are not asked
+    assert Copy.asked == 0
+    again = memory.allocate(MIB, pinned=False)  # needs a freed block's room: the finished copy's block
+    assert Copy.asked == 3 and again.offset == blocks[1].offset and not any(c.done for c in copies[::2])
+    memory.allocate(MIB, pinned=False)  # none left finished: the pool waits for the unfinished copies
+    assert all(c.done for c in copies) and memory.held == 4 * MIB and not pool.pending
+    memory.release(again, pinned=False)  # no copy touched it (its events were never set): free at once
+    assert not pool.pending and pool.in_use == 2 * MIB
+
+
 @pytest.mark.distributed
 @pytest.mark.slow  # three processes; the rank's share and its refusal are the quick tests above
 def test_ranks_of_one_host_hold_no_more_than_the_node_budget_together(tmp_path):

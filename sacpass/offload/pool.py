@@ -147,6 +147,9 @@ class HostMemory:
         kind = self.kinds[pinned]
         size = pool_bytes(nbytes)
         block = kind.fit(size)
+        if block is None and kind.pending:  # the blocks freed since, whose copies have finished; else wait for them
+            kind.reclaim()
+            block = kind.fit(size)
         if block is None and kind.pending:
             kind.reclaim(wait=True)
             block = kind.fit(size)
@@ -157,10 +160,15 @@ class HostMemory:
         return block
 
     def release(self, block: Block, pinned: bool) -> None:
+        """``block`` freed: at once where no copy touched it, else once its copies have finished, which the next
+        allocation that needs the room asks (a release never queries the copies of every block freed before it:
+        a step frees hundreds, one at a time)."""
         kind = self.kinds[pinned]
         kind.in_use -= block.size
-        kind.pending.append(block)
-        kind.reclaim()
+        if block.events:
+            kind.pending.append(block)
+        else:
+            kind._free(block)
 
     def trim(self) -> int:
         return sum(k.trim() for k in self.kinds.values())
