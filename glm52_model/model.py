@@ -24,8 +24,8 @@ from .ops.dsa_topk import quantize_indexer
 from .ops.fp8 import fp8_linear
 
 __all__ = ["RMSNorm", "Linear", "Indexer", "MLA", "MLP", "MoE", "DecoderLayer", "GLM52ForCausalLM",
-           "packed_ranges", "rope_cos_sin", "apply_rope", "local_rows", "local_experts", "combine_experts",
-           "decoder_layers", "init_weights"]
+           "packed_ranges", "rope_cos_sin", "apply_rope", "local_rows", "local_experts", "expert_rows",
+           "combine_experts", "decoder_layers", "init_weights"]
 
 
 class RMSNorm(nn.Module):
@@ -218,15 +218,28 @@ def local_experts(moe: MoE, x: Tensor, expert: Tensor, weight: Tensor) -> Tensor
     counts = torch.zeros(moe.n_experts, dtype=torch.long, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0).to(torch.int32)                                      # [E] group ends
-    token = order // moe.top_k                                                   # [T*k] source token
-    ys = moe.grouped_ffn(x[token], offs)                                         # [T*k, h] sorted by expert
-    return combine_experts(x, ys, token, weight, order)
+    ys = moe.grouped_ffn(expert_rows(x, order), offs)                            # [T*k, h] sorted by expert
+    return combine_experts(ys, weight, order)
 
 
-def combine_experts(x: Tensor, ys: Tensor, token: Tensor, weight: Tensor, order: Tensor) -> Tensor:
-    """Sum expert rows ``ys`` [A, h] (assignment ``order[i]`` of token ``token[i]``) into [T, h], weighted."""
-    ys = ys * weight.flatten()[order, None].to(ys.dtype)
-    return x.new_zeros(x.shape).index_add(0, token, ys)                          # [T, h]
+def expert_rows(x: Tensor, order: Tensor) -> Tensor:
+    """Each token's row once per assignment, in ``order`` [A = T*k] (assignment ``order[i]`` is token
+    ``order[i] // k``'s): [A, h]. Its backward sums each token's k gradients over k, in a fixed order (as a
+    gather ``x[order // k]`` would, with atomics: a different sum from run to run)."""
+    T, A = x.shape[0], order.shape[0]
+    return x.unsqueeze(1).expand(T, A // T, x.shape[1]).flatten(0, 1)[order]
+
+
+def combine_experts(ys: Tensor, weight: Tensor, order: Tensor) -> Tensor:
+    """Expert rows ``ys`` [A, h] (row ``i`` is assignment ``order[i]``) back to each token's weighted sum over its
+    k experts [T, h]: the rows read back in assignment order (a gather by the inverse of ``order``, which a
+    compiler fuses into the sum), then a sum over k in fp32, in a fixed order (an ``index_add`` of the rows into
+    their tokens adds k rows per token with atomics, in a different order from run to run)."""
+    T, k = weight.shape
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = ys[back].view(T, k, ys.shape[1])                                      # [T, k, h] by assignment
+    wide = torch.promote_types(ys.dtype, torch.float32)                          # bf16 rows: summed in fp32
+    return (rows.to(wide) * weight.to(wide).unsqueeze(-1)).sum(1).to(ys.dtype)  # [T, h]
 
 
 class DecoderLayer(nn.Module):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from .model import GLM52ForCausalLM, MoE, combine_experts, decoder_layers, packed_ranges
+from .model import GLM52ForCausalLM, MoE, combine_experts, decoder_layers, expert_rows, packed_ranges
 from .mtp import mtp_labels
 
 __all__ = ["ParallelDims", "ParallelGroups", "Shard", "AllGather", "ExpertParallel", "ParallelCausalLM",
@@ -174,15 +174,15 @@ class ExpertParallel:
         order = torch.argsort(flat, stable=True)                                 # assignments by expert
         fe = flat[order]                                                         # sorted expert IDs
         dst = fe // self.n_local                                                 # destination group rank
-        token = order // moe.top_k                                               # [A] source token
         local_e = fe - dst * self.n_local                                        # expert on the destination
         send_counts = torch.zeros(self.size, dtype=torch.long, device=x.device).scatter_add_(
             0, dst, torch.ones_like(dst))                                        # [ep]
+        xs = expert_rows(x, order)                                               # [A, h] source rows
         if self.mode == "padded":
-            y = self._padded(moe, x, token, dst, local_e, send_counts)          # [A, h], sorted order
+            y = self._padded(moe, xs, dst, local_e, send_counts)                 # [A, h], sorted order
         else:
-            y = self._dynamic(moe, x[token], local_e, send_counts)
-        return combine_experts(x, y, token, weight, order)                      # [T, h]
+            y = self._dynamic(moe, xs, local_e, send_counts)
+        return combine_experts(y, weight, order)                                 # [T, h]
 
     def _experts(self, moe: MoE, xs: Tensor, e: Tensor) -> Tensor:
         """Run the local experts on rows ``xs`` [R, h] whose local expert is ``e`` [R] (padding rows carry
@@ -206,15 +206,14 @@ class ExpertParallel:
         pct = int(round(self.capacity_factor * 100))
         return torch.sym_max(1, torch.sym_min(A, (A * pct + self.size * 100 - 1) // (self.size * 100)))
 
-    def _padded(self, moe: MoE, x: Tensor, token: Tensor, dst: Tensor, local_e: Tensor,
-                send_counts: Tensor) -> Tensor:
-        ep, h, A = self.size, x.shape[1], token.shape[0]
+    def _padded(self, moe: MoE, xs: Tensor, dst: Tensor, local_e: Tensor, send_counts: Tensor) -> Tensor:
+        ep, (A, h) = self.size, xs.shape
         C = self._capacity(A)
         first = send_counts.cumsum(0) - send_counts                              # [ep] first row per dst
-        pos = torch.arange(A, device=x.device) - first[dst]                      # row within its dst
+        pos = torch.arange(A, device=xs.device) - first[dst]                     # row within its dst
         slot = torch.where(pos < C, dst * C + pos, ep * C)                       # ep*C = dropped
-        send = x.new_zeros(ep * C + 1, h).index_copy(0, slot, x[token])[:ep * C]  # [ep*C, h]
-        send_e = torch.full((ep * C + 1,), self.n_local, dtype=torch.long, device=x.device).index_copy(
+        send = xs.new_zeros(ep * C + 1, h).index_copy(0, slot, xs)[:ep * C]      # [ep*C, h]
+        send_e = torch.full((ep * C + 1,), self.n_local, dtype=torch.long, device=xs.device).index_copy(
             0, slot, local_e)[:ep * C]
         splits = [C] * ep
         recv = funcol.all_to_all_single(send, splits, splits, self.group)        # [ep*C, h]

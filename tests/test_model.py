@@ -113,6 +113,33 @@ def test_eager_forward_backward(fp8):
         torch.testing.assert_close(loss, ref(ids, labels=labels), rtol=FP8_LOSS_RTOL, atol=0.0)
 
 
+def test_the_experts_rows_go_out_and_come_back_by_assignment_without_accumulating_in_place():
+    """expert_rows / combine_experts against their definition in float64: assignment a = t*k + j is token t's
+    j-th expert; row i of the sorted rows is assignment order[i]. Out: token order[i] // k's row. Back: each
+    token's weighted sum over its k rows. Gradients as the gather and index_add they replace; and the same
+    bits from two runs of the same backward (no atomics to reorder the sums)."""
+    from glm52_model.model import combine_experts, expert_rows
+
+    g = torch.Generator().manual_seed(0)
+    T, k, h = 37, 4, 24
+    x = torch.randn(T, h, dtype=torch.float64, generator=g, requires_grad=True)
+    order = torch.randperm(T * k, generator=g)
+    weight = torch.rand(T, k, dtype=torch.float64, generator=g, requires_grad=True)
+    ys = torch.randn(T * k, h, dtype=torch.float64, generator=g, requires_grad=True)
+    out_rows, out = expert_rows(x, order), combine_experts(ys, weight, order)
+    assert torch.equal(out_rows, x[order // k])
+    reference = torch.zeros(T, h, dtype=torch.float64).index_add(0, order // k, ys * weight.flatten()[order, None])
+    torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+    dy = torch.randn(T, h, dtype=torch.float64, generator=g)
+    grads = torch.autograd.grad((out_rows.sum(1) * 0.5).sum() + (out * dy).sum(), (x, weight, ys))
+    want = torch.autograd.grad((x[order // k].sum(1) * 0.5).sum() + (reference * dy).sum(), (x, weight, ys))
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    rerun = (expert_rows(x, order).sum(1) * 0.5).sum() + (combine_experts(ys, weight, order) * dy).sum()
+    again = torch.autograd.grad(rerun, (x, weight, ys))
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
 def test_recompute_on_off_equal():
     on, off = _model(recompute=True), _model(recompute=False)
     off.load_state_dict(on.state_dict())

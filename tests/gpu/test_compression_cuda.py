@@ -12,8 +12,9 @@ to every parameter's gradient at cosine >= 0.999 and relative error <= 0.03 of t
 control itself no plan gets that close, exact or not, since a partition that reads the forward's own values
 rounds otherwise than one that recomputes them (the test prints those distances too). On an H100 the default
 measured 0.9956 / 0.093 against the plan unpacked, which is itself at 0.9982 / 0.060 from its own next step: the
-backward's atomics differ from run to run and its FP8 gradient quantisation magnifies that, so this bound fails
-there (docs/offload-and-planning.md).
+backward's atomics differed from run to run and its FP8 gradient quantisation magnifies that, so this bound
+failed there (docs/offload-and-planning.md). Those figures predate the MoE's gathers (no atomics out or back);
+sparse MLA's dKV still adds with atomics.
 """
 import copy
 import dataclasses
