@@ -44,6 +44,7 @@ import bisect
 import contextlib
 import dataclasses
 import gc
+import heapq
 import json
 import os
 import statistics
@@ -279,7 +280,7 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
             tally = others.setdefault(e["name"][:80], [0, 0.0])
             tally[0], tally[1] = tally[0] + 1, tally[1] + overlap
             continue
-        mine.append((s, -d, e["name"][:80], overlap))
+        mine.append((s, d, e["name"][:80]))
         if overlap >= 0.5 * (b - a):
             open_ranges.append((d, e["name"][:80], overlap))
         if e.get("cat") in LAUNCH_CATEGORIES and "Launch" not in e["name"] and d > 100:
@@ -295,18 +296,26 @@ def gap_cause(events: list[dict], starts: list, launched: dict, a: float, b: flo
 
 
 def _own_time(ranges: list[tuple], a: float, b: float) -> dict[str, list]:
-    """{name: [count, own µs]} of one thread's ranges ``(start, -duration, name, overlap)`` inside the window
-    ``a``-``b``: each instant goes to the innermost range open then (the latest begun, the shortest of those), so
-    the times add up to at most the window even where a trace's ranges do not nest cleanly."""
-    spans = [(max(a, s), min(b, s - neg_d), s, neg_d, name) for s, neg_d, name, _ in ranges]
-    cuts = sorted({t for lo, hi, *_ in spans for t in (lo, hi)})
+    """{name: [count, own µs]} of one thread's ranges ``(start, duration, name)`` inside the window ``a``-``b``:
+    each instant goes to the innermost range open then (the latest begun, the shortest of those), so the times
+    add up to at most the window even where a trace's ranges do not nest cleanly. One sweep over the ranges'
+    clipped ends, the open ones in a heap (a gap holds thousands of Python calls with --profile-stack)."""
     out: dict[str, list] = {}
-    for name in {sp[4] for sp in spans}:
-        out[name] = [sum(1 for sp in spans if sp[4] == name), 0.0]
+    for _, _, name in ranges:
+        out.setdefault(name, [0, 0.0])[0] += 1
+    by_start = sorted((max(a, s), s, d, name) for s, d, name in ranges)
+    cuts = sorted({t for s, d, _ in ranges for t in (max(a, s), min(b, s + d))})
+    open_now: list = []  # (-start, duration, end, name): the innermost first
+    i = 0
     for lo, hi in zip(cuts, cuts[1:]):
-        inner = max((sp for sp in spans if sp[0] <= lo and sp[1] >= hi), key=lambda sp: (sp[2], sp[3]), default=None)
-        if inner is not None:
-            out[inner[4]][1] += hi - lo
+        while i < len(by_start) and by_start[i][0] <= lo:
+            _, s, d, name = by_start[i]
+            heapq.heappush(open_now, (-s, d, min(b, s + d), name))
+            i += 1
+        while open_now and open_now[0][2] <= lo:
+            heapq.heappop(open_now)
+        if open_now:
+            out[open_now[0][3]][1] += hi - lo
     return out
 
 

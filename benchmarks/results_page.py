@@ -317,7 +317,7 @@ def r_model(e, plots):
                 f"{f(idle['ms'], '.0f')} ms in all): when each began (ms from the step's first kernel), the kernel that ended it and how long "
                 "before it ran it was launched (little: the host was late; much: the stream waited on another), the "
                 "innermost host ranges open on the launching thread through most of the gap, its CUDA calls "
-                "over 0.1 ms (launches aside), and what ran inside the gap on it (by name: how many, ms).", ""]
+                "over 0.1 ms (launches aside), and where its time in the gap went (by name: how many, own ms).", ""]
         out += table(["gap ms", "at ms", "next kernel", "launched ms before", "host ranges (innermost first)",
                       "host CUDA calls", "inside the gap"],
                      [[f(g, ".1f"), f(at, ".0f"), f(w["next_kernel"][:48]), f(w["launched_ms_before_start"], ".2f"),

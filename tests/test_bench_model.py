@@ -105,8 +105,8 @@ def test_a_gaps_own_time_adds_up_to_the_gap_where_a_trace_s_ranges_do_not_nest()
     """Ranges (µs) in a 0-100 window: an outer one, a call that ends after its caller (the tracer's clock), two
     ranges of one name that overlap as stairs, and one outside the window. Each instant goes to the innermost
     range: the own times add up to the window."""
-    ranges = [(-50, -300, "outer", 100), (10, -40, "caller", 40), (20, -40, "call", 30), (60, -30, "stair", 30),
-              (70, -40, "stair", 30), (200, -10, "later", 0)]
+    ranges = [(-50, 300, "outer"), (10, 40, "caller"), (20, 40, "call"), (60, 30, "stair"), (70, 40, "stair"),
+              (200, 10, "later")]
     own = bench_model._own_time(ranges, 0, 100)
     assert own == {"outer": [1, 10.0], "caller": [1, 10.0], "call": [1, 40.0], "stair": [2, 40.0], "later": [1, 0.0]}
     assert sum(us for _, us in own.values()) == 100
