@@ -37,7 +37,7 @@ from ..nodes import (backward_part, is_cast_or_view, is_cheap_unary, is_getitem,
                      op_name, size_hint, tensor_nbytes, unpackers)
 from ..calibration import op_signature
 from ..compression import packed_bytes
-from ..offload.sizes import host_pool_bytes, packs
+from ..offload.sizes import dense, host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import BUDGET, COPY_BOUND, HOST_BOUND, MIN_CUT, PLAN, SIZE_BOUND, Decision
 from .tag_policy import EXACT_KEY, OFFLOAD, OFFLOAD_KEY, TagResult
@@ -388,7 +388,7 @@ def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: in
                getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable and n.args}
     return [n.name for i, n in enumerate(primals)
             if i not in static and n not in written and isinstance(n.meta.get("val"), torch.Tensor)
-            and torch._prims_common.is_non_overlapping_and_dense_or_false(n.meta["val"])
+            and dense(n.meta["val"])
             and tensor_nbytes(n.meta["val"]) >= min_bytes]
 
 
