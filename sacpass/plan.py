@@ -196,10 +196,10 @@ class ModelPlan:
                the highest since the last ``torch.cuda.reset_peak_memory_stats()``: reset it after the compiling
                step if that one peaks higher. None: ``DEVICE_SHARE`` of the GPU's memory where ``gpu_bytes`` is
                None too, else no cap (the step keeps ``gpu_bytes``). The budget, the cap and the peak read:
-               :func:`sacpass.offload.device_budget`. More budget never makes the step slower: the budget rises
-               only once a step at the budget in hand was timed (its regions' forwards and backwards, on the
-               device), and where a step at the larger budget then measures slower than one at a smaller by more
-               than 2%, the plan goes back to the faster budget and holds there.
+               :func:`sacpass.offload.device_budget`. Device memory is spent only where it buys time: the budget
+               rises only once a step at the budget in hand was timed (its regions' forwards and backwards, on
+               the device), and where steps at the larger budget then measure no faster than at a smaller one by
+               1% (two steps), the plan goes back to the smaller budget and holds there.
 
     A step whose values fit neither budget raises :class:`~sacpass.OffloadError` naming the smallest budgets
     that hold it, before the host pool runs out.

@@ -38,9 +38,9 @@ def _x():
 
 @pytest.fixture(autouse=True)
 def _steps_timed_alike(monkeypatch):
-    """A step's time on a shared CPU is noise: no larger device budget is taken back for measuring slower, but in
-    the tests of that rule (which script the clock)."""
-    monkeypatch.setattr(placement, "SLOWER", float("inf"))
+    """A step's time on a shared CPU is noise: every larger device budget counts as paying (none is taken back),
+    but in the tests of that rule (which script the clock)."""
+    monkeypatch.setattr(placement, "PAYS", float("-inf"))
 
 
 @pytest.fixture(autouse=True)
@@ -580,7 +580,7 @@ def test_a_larger_device_budget_that_measures_slower_is_given_back_and_held(monk
     ms a region at no bytes kept, 12 ms with any kept): after two steps at the larger budget (one could be
     noise) the plan goes back to gpu_bytes and holds there, though the peak would let it rise again; the readouts
     say so."""
-    monkeypatch.setattr(placement, "SLOWER", 0.02)
+    monkeypatch.setattr(placement, "PAYS", 0.01)
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
     monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 0))  # the peak never nears the cap
     _scripted_steps(monkeypatch, plan, lambda kept: 12.0 if kept else 10.0)
@@ -599,7 +599,7 @@ def test_a_larger_device_budget_that_measures_slower_is_given_back_and_held(monk
     assert budget["held_at"] == 0 == budget["device_budget"], budget
     assert set(budget["step_ms"]) == {0, 2 * REGION} and budget["step_ms"][2 * REGION] > budget["step_ms"][0]
     last = rt.format_placements(plan).splitlines()[-1]
-    assert last.startswith("held at 0.000 GiB: a larger device budget measured slower") and "(2 steps)" in last, last
+    assert last.startswith("held at 0.000 GiB: a larger device budget measured no faster (by 1%") and "(2 steps)" in last, last
     assert budget["step_samples"][2 * REGION] == 2 and budget["doubt"] is None
 
 
@@ -607,7 +607,7 @@ def test_one_slow_step_at_a_larger_budget_is_measured_again_before_it_is_given_b
     """The first step that keeps regions on the device is slow (scripted: 12 ms a region, once; a pool growing, a
     neighbour on the host), every later one fast (8 ms): the plan runs the budget again instead of holding at
     gpu_bytes for good, and keeps it."""
-    monkeypatch.setattr(placement, "SLOWER", 0.02)
+    monkeypatch.setattr(placement, "PAYS", 0.01)
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
     monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 0))
     slow_marks = [2 * LAYERS]  # the clock marks of one step (a forward and a backward mark a region)
@@ -630,7 +630,7 @@ def test_a_loop_that_runs_ahead_of_its_device_is_timed_a_step_late(monkeypatch):
     events done), and a larger budget that measured slower is still given back and held."""
     from sacpass.offload.timeline import Timeline
 
-    monkeypatch.setattr(placement, "SLOWER", 0.02)
+    monkeypatch.setattr(placement, "PAYS", 0.01)
     regions_ms = Timeline.regions_ms
 
     def read_late(self):  # the first read of each step finds its work running
@@ -655,8 +655,22 @@ def test_a_loop_that_runs_ahead_of_its_device_is_timed_a_step_late(monkeypatch):
     assert rt.device_budget(plan)["held_at"] == 0
 
 
+def test_a_larger_device_budget_that_buys_no_time_is_given_back_and_held(monkeypatch):
+    """Steps that keep regions on the device measure as fast as those that copy them (scripted: 10 ms a region
+    either way; the copies hid behind compute): the memory buys nothing, so after two steps at the larger budget
+    the plan goes back to gpu_bytes and holds there, its peak and reserve no higher than they need be."""
+    monkeypatch.setattr(placement, "PAYS", 0.01)
+    plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
+    monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 0))
+    _scripted_steps(monkeypatch, plan, lambda kept: 10.0)
+    _, st, rows, _ = _run(plan, steps=6)
+    budget = rt.device_budget(plan)
+    assert budget["held_at"] == 0 == budget["device_budget"] and st.kept_bytes == 0, budget
+    assert budget["step_samples"][2 * REGION] == 2
+
+
 def test_a_larger_device_budget_that_measures_faster_is_kept(monkeypatch):
-    monkeypatch.setattr(placement, "SLOWER", 0.02)
+    monkeypatch.setattr(placement, "PAYS", 0.01)
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
     monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 0))
     _scripted_steps(monkeypatch, plan, lambda kept: 8.0 if kept else 10.0)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sacpass
-from sacpass.offload.placement import (CONFIRM, SLOWER, Budgets, faster_budget, follow_peak, later_device_bytes,
+from sacpass.offload.placement import (CONFIRM, PAYS, Budgets, cheaper_budget, follow_peak, later_device_bytes,
                                        place_arriving, place_step, smallest_budgets)
 from sacpass.offload.sizes import pool_bytes
 
@@ -130,23 +130,33 @@ def test_the_device_budget_follows_the_measured_peak():
     assert at_floor.device_budget == 5 and at_floor.at_floor_past_cap  # already at gpu_bytes: the plan warns
 
 
-def test_a_budget_that_measured_slower_than_a_smaller_one_goes_back_to_the_fastest():
-    assert faster_budget({0: 100.0}, 0) is None  # nothing smaller to compare with
-    assert faster_budget({0: 100.0, 8: 99.0}, 8) is None  # faster: kept
-    assert faster_budget({0: 100.0, 8: 100.0 / (1 - SLOWER) - 0.01}, 8) is None  # within the noise: kept
-    assert faster_budget({0: 100.0, 8: 103.0}, 8) == 0
-    assert faster_budget({0: 100.0, 4: 95.0, 8: 103.0}, 8) == 4  # the fastest of the smaller
-    assert faster_budget({0: 95.0, 4: 95.0, 8: 103.0}, 8) == 0  # on a tie, the smallest
-    assert faster_budget({0: 100.0, 8: 103.0}, 0) is None  # only smaller budgets are gone back to
+def test_a_budget_that_did_not_measure_faster_than_a_smaller_one_goes_back_to_the_smallest_as_fast():
+    assert cheaper_budget({0: 100.0}, 0) is None  # nothing smaller to compare with
+    assert cheaper_budget({0: 100.0, 8: 95.0}, 8) is None  # faster by more than PAYS: it pays, kept
+    assert cheaper_budget({0: 100.0, 8: 100.0 * (1 - PAYS) - 0.01}, 8) is None  # just past PAYS: kept
+    assert cheaper_budget({0: 100.0, 8: 100.0 * (1 - PAYS) + 0.01}, 8) == 0  # faster, but by less: memory not spent
+    assert cheaper_budget({0: 100.0, 8: 100.0}, 8) == 0  # as fast: given back
+    assert cheaper_budget({0: 100.0, 8: 103.0}, 8) == 0  # slower: given back
+    assert cheaper_budget({0: 100.0, 4: 95.0, 8: 103.0}, 8) == 4  # the fastest of the smaller
+    assert cheaper_budget({0: 100.0, 4: 95.0, 8: 95.5}, 8) == 4  # 4 paid, 8 did not pay over it
+    assert cheaper_budget({0: 95.0, 4: 95.0, 8: 103.0}, 8) == 0  # on a tie, the smallest
+    assert cheaper_budget({0: 95.5, 4: 95.0, 8: 103.0}, 8) == 0  # within PAYS of the fastest: the smallest
+    assert cheaper_budget({0: 100.0, 8: 103.0}, 0) is None  # only smaller budgets are gone back to
     # judged only once CONFIRM steps were measured at it: one slow step does not cap the plan for good
-    assert faster_budget({0: 100.0, 8: 103.0}, 8, {0: 3, 8: CONFIRM - 1}) is None
-    assert faster_budget({0: 100.0, 8: 103.0}, 8, {0: 1, 8: CONFIRM}) == 0
+    assert cheaper_budget({0: 100.0, 8: 103.0}, 8, {0: 3, 8: CONFIRM - 1}) is None
+    assert cheaper_budget({0: 100.0, 8: 103.0}, 8, {0: 1, 8: CONFIRM}) == 0
 
 
 @given(st.dictionaries(st.integers(0, 1 << 40), st.floats(1.0, 1e4), min_size=1, max_size=8), st.data())
-def test_going_back_never_picks_a_slower_or_larger_budget(times, data):
+def test_going_back_picks_the_smallest_budget_as_fast_and_only_where_the_larger_did_not_pay(times, data):
     budget = data.draw(st.sampled_from(sorted(times)))
-    back = faster_budget(times, budget)
+    back = cheaper_budget(times, budget)
+    below = {b: ms for b, ms in times.items() if b < budget}
+    if not below:
+        assert back is None
+        return
+    fastest = min(below.values())
+    assert (back is None) == (times[budget] < fastest * (1 - PAYS))
     if back is not None:
-        assert back < budget and times[back] < times[budget] * (1 - SLOWER)
-        assert all(times[back] <= ms for b, ms in times.items() if b < budget)
+        assert back < budget and times[back] <= fastest * (1 + PAYS)
+        assert all(ms > fastest * (1 + PAYS) for b, ms in below.items() if b < back)

@@ -129,7 +129,7 @@ def device_budget(plan) -> dict:
     keeps on the device), ``peak_bytes`` (the cap, or None), ``peak_read`` (the device's peak allocated
     memory as the last step's backward ended, or None before one has, or where there is none to read),
     ``step_ms`` ({device budget: the fastest step measured at it, in its regions' forwards and backwards}) and
-    ``held_at`` (the budget the plan holds at because a larger one measured slower, or None)."""
+    ``held_at`` (the budget the plan holds at because a larger one measured no faster, or None)."""
     from ..plan import declared_plan
     if declared_plan(_key(plan)) is None:
         raise OffloadError(f"sacpass: {plan!r} is not registered: build a backend with it (sacpass.backend(plan="

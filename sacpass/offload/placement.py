@@ -10,7 +10,7 @@ host.
 The first step has no sizes from a step before: it places each value as it comes (:func:`place_arriving`), the
 regions still to come estimated as large as the largest before them, so its host pool grows no larger than the
 later steps need. :func:`follow_peak` moves the device budget by the step's measured peak, and
-:func:`faster_budget` takes it back where a larger budget measured slower than a smaller one.
+:func:`cheaper_budget` takes it back where a larger budget did not measure faster than a smaller one.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..errors import OffloadError
 from .sizes import pool_bytes
 
 __all__ = ["Key", "Budgets", "place_step", "smallest_budgets", "later_device_bytes", "place_arriving", "follow_peak",
-           "PeakMove", "faster_budget", "SLOWER", "CONFIRM"]
+           "PeakMove", "cheaper_budget", "PAYS", "CONFIRM"]
 
 Key = tuple[int, int]  # (region, index)
 DEVICE, HOST = "device", "host"
@@ -142,22 +142,26 @@ def follow_peak(device_budget: int, floor: int, cap: int, peak: int, peak_before
     return PeakMove(device_budget, False)
 
 
-SLOWER = 0.02  # a step this much slower than one at a smaller device budget: the larger budget costs time
-CONFIRM = 2  # steps measured at a budget before it is judged slower (a verdict that holds for good)
+PAYS = 0.01  # a larger device budget is kept only where its step measured this much faster than at every smaller one
+CONFIRM = 2  # steps measured at a budget before it is judged (a verdict that holds for good)
 
 
-def faster_budget(step_ms: Mapping[int, float], budget: int, samples: Mapping[int, int] | None = None
-                  ) -> int | None:
-    """After a step placed at device budget ``budget``: the smaller budget to go back to and hold at, where one
-    measured faster than ``budget`` by more than ``SLOWER`` (the fastest of them, the smallest on a tie); else None.
-    ``step_ms``: the fastest step measured at each budget, ``budget``'s included; ``samples``: how many steps were
-    measured at each, where ``budget`` is judged only once ``CONFIRM`` steps were measured at it (one slow step, a
-    pool growing or another process on the host, does not cap the plan for good); without it, the verdict of the
-    times alone. Keeping a value on the device instead of copying it should never cost time; where the measurement
-    says it did (the allocator, bandwidth the copies shared), the plan does not spend that memory."""
+def cheaper_budget(step_ms: Mapping[int, float], budget: int, samples: Mapping[int, int] | None = None
+                   ) -> int | None:
+    """After a step placed at device budget ``budget``: the smaller budget to go back to and hold at, where
+    ``budget`` did not measure faster than the fastest smaller one by ``PAYS`` (the smallest budget measured within
+    ``PAYS`` of that fastest); else None, the larger budget pays. ``step_ms``: the fastest step measured at each
+    budget, ``budget``'s included; ``samples``: how many steps were measured at each, where ``budget`` is judged
+    only once ``CONFIRM`` steps were measured at it (one slow step, a pool growing or another process on the host,
+    does not cap the plan for good); without it, the verdict of the times alone. Device memory is spent only where
+    it buys time: a value kept instead of copied saves nothing when its copy hid behind compute anyway, and it
+    still raises the step's peak and the allocator's reserve; where the measurement says keeping cost time (the
+    allocator, bandwidth the copies shared), all the more so."""
     here = step_ms.get(budget)
-    below = [(ms, b) for b, ms in step_ms.items() if b < budget]
+    below = {b: ms for b, ms in step_ms.items() if b < budget}
     if here is None or not below or (samples is not None and samples.get(budget, 0) < CONFIRM):
         return None
-    ms, smaller = min(below)
-    return smaller if ms < here * (1 - SLOWER) else None
+    fastest = min(below.values())
+    if here < fastest * (1 - PAYS):
+        return None
+    return min(b for b, ms in below.items() if ms <= fastest * (1 + PAYS))

@@ -5,9 +5,10 @@ Equal plans share one state (keyed by the plan's key). Each step is placed from 
 recorded (:func:`~sacpass.offload.placement.place_step`); the first, which has none, places values as they come
 (:func:`~sacpass.offload.placement.place_arriving`). With a peak cap the device budget follows the measured peak
 (:func:`~sacpass.offload.placement.follow_peak`), read as each backward ends; a budget rises only once the
-budget in hand has been measured (a step placed at it), and where a larger budget measured slower than a smaller
-one, in two steps, the plan goes back to the faster and holds there
-(:func:`~sacpass.offload.placement.faster_budget`): more budget never makes the step slower.
+budget in hand has been measured (a step placed at it), and where a larger budget did not measure faster than a
+smaller one, in two steps, the plan goes back to the smaller and holds there
+(:func:`~sacpass.offload.placement.cheaper_budget`): device memory is spent only where it buys time, and more
+budget never makes the step slower.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from .. import compression
 from . import clocks
-from .placement import Budgets, Key, faster_budget, follow_peak, later_device_bytes, place_arriving, place_step
+from .placement import Budgets, Key, cheaper_budget, follow_peak, later_device_bytes, place_arriving, place_step
 from .sizes import packed_pool_bytes, pool_bytes
 from .timeline import Timeline
 
@@ -66,8 +67,8 @@ class PlanState:
     placed_at: int | None = None  # this step's device budget, where it was placed from the step before's table
     step_ms: dict[int, float] = field(default_factory=dict)  # device budget -> the fastest step measured at it
     step_samples: dict[int, int] = field(default_factory=dict)  # device budget -> the steps measured at it
-    held: int | None = None  # the device budget never passed again: a larger one measured slower
-    doubt: int | None = None  # a budget measured slower once: the next step runs at it again, to confirm or clear
+    held: int | None = None  # the device budget never passed again: a larger one measured no faster
+    doubt: int | None = None  # a budget measured no faster once: the next step runs at it again, to confirm or clear
     unmeasured: list = field(default_factory=list)  # (device budget, timeline) of steps whose timing is not read yet
 
     def __post_init__(self) -> None:
@@ -120,7 +121,7 @@ class PlanState:
 
     def _next_budget(self) -> None:
         """The device budget of the next step: the peak's move (with a cap), taken back to a smaller budget that
-        measured faster and held there; raised only once the budget in hand has been measured (a raise is judged
+        measured as fast and held there; raised only once the budget in hand has been measured (a raise is judged
         against it)."""
         ran_at = self.device_budget
         self._follow_peak()
@@ -137,8 +138,8 @@ class PlanState:
     def _measure(self) -> None:
         """Time the steps placed from a table whose device work is done (a GPU step's timing events are read
         once complete, never waited for: a loop that runs ahead of its GPU has them a step or two later), and
-        hold at a smaller budget where one measured faster in ``CONFIRM`` steps; after one such step, doubt the
-        budget (the next step runs at it again)."""
+        hold at a smaller budget where the larger did not measure faster in ``CONFIRM`` steps; after one such step,
+        doubt the budget (the next step runs at it again)."""
         waiting = []
         for budget, timeline in self.unmeasured:
             ms = timeline.regions_ms()
@@ -148,9 +149,9 @@ class PlanState:
             self.step_ms[budget] = min(ms, self.step_ms.get(budget, ms))
             self.step_samples[budget] = self.step_samples.get(budget, 0) + 1
             self.doubt = None
-            if faster_budget(self.step_ms, budget) is None:  # not slower than a smaller budget
+            if cheaper_budget(self.step_ms, budget) is None:  # faster than every smaller budget: it pays
                 continue
-            back = faster_budget(self.step_ms, budget, self.step_samples)
+            back = cheaper_budget(self.step_ms, budget, self.step_samples)
             if back is not None:
                 self.held = back if self.held is None else min(self.held, back)
             else:

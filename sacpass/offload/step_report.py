@@ -3,6 +3,7 @@ and measured. Reads the runtime's plan states; changes nothing."""
 from __future__ import annotations
 
 from .clocks import copy_ms
+from . import placement
 from .plan_state import PlanState
 
 __all__ = ["placement_rows", "format_rows", "budget_of"]
@@ -71,9 +72,9 @@ def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
         if b["held_at"] is not None:
             measured = ", ".join(f"{budget / gib:.3f} GiB {ms:.1f} ms ({b['step_samples'].get(budget, 0)} steps)"
                                  for budget, ms in b["step_ms"].items())
-            lines.append(f"held at {b['held_at'] / gib:.3f} GiB: a larger device budget measured slower (the fastest "
-                         f"step in its regions at each budget: {measured})")
+            lines.append(f"held at {b['held_at'] / gib:.3f} GiB: a larger device budget measured no faster (by "
+                         f"{placement.PAYS:.0%}; the fastest step in its regions at each budget: {measured})")
         elif b["doubt"] is not None:
-            lines.append(f"{b['doubt'] / gib:.3f} GiB measured slower than a smaller budget once: the next step runs "
-                         f"at it again before it is judged")
+            lines.append(f"{b['doubt'] / gib:.3f} GiB measured no faster than a smaller budget once: the next step "
+                         f"runs at it again before it is judged")
     return "\n".join(lines)
