@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import sacpass
 from sacpass.offload.placement import (CONFIRM, PAYS, Budgets, cheaper_budget, follow_peak, later_device_bytes,
-                                       place_arriving, place_step, smallest_budgets)
+                                       peak_phase, place_arriving, place_step, smallest_budgets)
 from sacpass.offload.sizes import pool_bytes
 
 
@@ -128,6 +128,31 @@ def test_the_device_budget_follows_the_measured_peak():
     assert follow_peak(50, 0, cap, 130, 130, everything=1000).device_budget == 50  # the same old peak
     at_floor = follow_peak(5, 5, cap, 150, None, everything=1000)
     assert at_floor.device_budget == 5 and at_floor.at_floor_past_cap  # already at gpu_bytes: the plan warns
+
+
+def test_the_peak_s_phase_is_the_backward_in_which_the_running_peak_reached_it():
+    marks = [(3, 40), (2, 55), (1, 55), (0, 70)]  # (region, running peak as its backward began), backward order
+    assert peak_phase(marks, 40) == (None, ())  # reached before the first backward: the forward, the loss
+    assert peak_phase(marks, 55) == (40, ())  # in region 3's backward, which began at 40: nothing ended before
+    assert peak_phase(marks, 70) == (55, (3, 2))  # in region 1's backward: 3 and 2 had ended
+    assert peak_phase(marks, 90) == (70, (3, 2, 1))  # in the last backward (region 0's)
+    assert peak_phase([], 90) == (None, ())
+    assert peak_phase([(1, 120), (0, 120)], 100) == (None, ())  # an older, higher peak: the marks cannot tell
+
+
+def test_values_whose_backward_ended_before_the_peak_are_kept_by_the_room_under_what_came_before_it():
+    cap = 100
+    # the peak at the cap, in a backward that began at 60: 25 bytes the regions before it sent to the host fit
+    # the 40 of room before it; the peak's own room is none
+    assert follow_peak(0, 0, cap, 100, None, everything=1000, earlier=60, released=25).device_budget == 25
+    assert follow_peak(0, 0, cap, 100, None, everything=1000, earlier=60, released=80).device_budget == 40
+    # room under the peak too: the released values first, then up to the peak's room, all under the earlier room
+    assert follow_peak(0, 0, cap, 90, None, everything=1000, earlier=60, released=25).device_budget == 35
+    assert follow_peak(0, 0, cap, 90, None, everything=1000, earlier=95, released=25).device_budget == 5
+    assert follow_peak(0, 0, cap, 90, None, everything=1000, earlier=None, released=25).device_budget == 10
+    assert follow_peak(0, 0, cap, 90, None, everything=20, earlier=60, released=25).device_budget == 20
+    # past the cap: lowered as before, whatever came before it
+    assert follow_peak(50, 0, cap, 130, None, everything=1000, earlier=60, released=25).device_budget == 20
 
 
 def test_a_budget_that_did_not_measure_faster_than_a_smaller_one_goes_back_to_the_smallest_as_fast():

@@ -15,13 +15,13 @@ later steps need. :func:`follow_peak` moves the device budget by the step's meas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ..errors import OffloadError
 from .sizes import pool_bytes
 
 __all__ = ["Key", "Budgets", "place_step", "smallest_budgets", "later_device_bytes", "place_arriving", "follow_peak",
-           "PeakMove", "cheaper_budget", "PAYS", "CONFIRM"]
+           "PeakMove", "peak_phase", "cheaper_budget", "PAYS", "CONFIRM"]
 
 Key = tuple[int, int]  # (region, index)
 DEVICE, HOST = "device", "host"
@@ -129,17 +129,40 @@ class PeakMove:
 
 
 def follow_peak(device_budget: int, floor: int, cap: int, peak: int, peak_before: int | None,
-                everything: int) -> PeakMove:
+                everything: int, earlier: int | None = None, released: int = 0) -> PeakMove:
     """The device budget after a step that peaked at ``peak`` (the highest since the last reset) under a cap of
     ``cap``: raised by the room left under the cap (to at most ``everything``, every value of the step); lowered
     by the excess when the peak rose past the cap (never below ``floor``, the plan's gpu_bytes). A peak no higher
-    than the one read before (``peak_before``) past the cap is the same old peak: nothing moves."""
-    if peak < cap:
-        return PeakMove(max(device_budget, min(device_budget + cap - peak, everything)), False)
-    if peak > cap and (peak_before is None or peak > peak_before):
+    than the one read before (``peak_before``) past the cap is the same old peak: nothing moves.
+
+    Where the peak fell in a region's backward (:func:`peak_phase`), ``earlier`` is the highest the device had
+    reached before that backward began and ``released`` the bytes the regions whose backward had already ended
+    sent to the host: those values, kept instead, would have been gone at the peak, so the budget may take them
+    by the room under ``earlier`` (the fill goes from the last region back: to them first); what it takes beyond
+    them counts against the peak's own room."""
+    if peak <= cap:
+        room = cap - peak
+        if earlier is not None and released > 0:
+            late = min(max(0, cap - earlier), released)
+            room = late + min(room, max(0, cap - earlier - late))
+        return PeakMove(max(device_budget, min(device_budget + room, everything)), False)
+    if peak_before is None or peak > peak_before:
         lowered = max(floor, device_budget - (peak - cap))
         return PeakMove(lowered, lowered == device_budget)
     return PeakMove(device_budget, False)
+
+
+def peak_phase(marks: Sequence[tuple[int, int]], peak: int) -> tuple[int | None, tuple[int, ...]]:
+    """Where a step's ``peak`` fell, from ``marks``: (region, the device's running peak as its backward began),
+    in the order the backwards ran. Returns the running peak as the backward the step's peak fell in began, and
+    the regions whose backward had ended by then; (None, ()) where it fell before any backward (the forward, the
+    loss) or the marks cannot tell (a peak reached in an earlier step and not reset)."""
+    for i, (_, seen) in enumerate(marks):
+        if seen >= peak:
+            return (None, ()) if i == 0 else (marks[i - 1][1], tuple(r for r, _ in marks[:i - 1]))
+    if not marks:
+        return None, ()
+    return marks[-1][1], tuple(r for r, _ in marks[:-1])
 
 
 PAYS = 0.01  # a larger device budget is kept only where its step measured this much faster than at every smaller one

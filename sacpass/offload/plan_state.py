@@ -20,7 +20,8 @@ import torch
 
 from .. import compression
 from . import clocks
-from .placement import Budgets, Key, cheaper_budget, follow_peak, later_device_bytes, place_arriving, place_step
+from .placement import (Budgets, Key, cheaper_budget, follow_peak, later_device_bytes, peak_phase, place_arriving,
+                        place_step)
 from .sizes import packed_pool_bytes, pool_bytes
 from .timeline import Timeline
 
@@ -105,6 +106,10 @@ class PlanState:
         timeline = self.timeline
         if region not in timeline.backward_began:
             timeline.backward_began[region] = clocks.clock(device)
+            if self.peak_bytes is not None and self.device is not None:
+                seen = device_peak(self.device)
+                if seen is not None:
+                    timeline.peak_at_backward[region] = seen
         task = torch._C._current_graph_task_id()
         if task < 0 or task == self.task:
             return
@@ -162,8 +167,11 @@ class PlanState:
         peak, self.step_peak = self.step_peak, None
         if peak is None:
             return
+        earlier, done = peak_phase(list(self.timeline.peak_at_backward.items()), peak)
+        released = sum(self.recording[key] for key, (where, _) in self.placed.items()
+                       if where == "host" and key[0] in done)
         move = follow_peak(self.device_budget, self.gpu_bytes, self.peak_bytes, peak, self.peak_read,
-                           everything=sum(self.recording.values()))
+                           everything=sum(self.recording.values()), earlier=earlier, released=released)
         if move.at_floor_past_cap and not self.warned:
             self.warned = True
             self.say(

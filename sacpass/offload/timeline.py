@@ -16,6 +16,8 @@ class Timeline:
     forward_done: dict[int, object] = field(default_factory=dict)  # region -> its forward's work done (first stash)
     backward_began: dict[int, object] = field(default_factory=dict)  # region -> its first unstash
     backward_ended: object = None  # the backward's end (its final callback)
+    peak_at_backward: dict[int, int] = field(default_factory=dict)  # region -> the device's running peak as its
+    # backward began (with a peak cap on a GPU), in the order the backwards ran
     expected: dict[int, tuple[float, float]] = field(default_factory=dict)  # region -> (forward ms, backward ms)
 
     def copy_times(self, region: int) -> dict[str, list]:
