@@ -487,7 +487,27 @@ def test_values_gone_before_the_peak_are_kept_by_the_room_under_what_came_before
         warnings.simplefilter("error", sacpass.SacpassWarning)
         _, st, rows, _ = _run(plan, steps=5)
     assert [r["device_bytes"] for r in rows] == [0, 0, REGION, REGION], rows
-    assert max(seen) == cap and rt.device_budget(plan)["device_budget"] == 2 * REGION
+    budget = rt.device_budget(plan)
+    assert max(seen) == cap and budget["device_budget"] == 2 * REGION
+    # settled: the kept values reach the cap before any backward now
+    assert budget["peak_earlier"] is None and budget["peak_released_regions"] == [], budget
+
+
+def test_the_readout_says_in_which_backward_the_peak_fell(monkeypatch):
+    """After a step that peaked in region 0's backward, having reached BASE before it: the budget readout and the
+    placements' last lines say so."""
+    cap = BASE + 2 * REGION
+    plan = _plan(0, 1 << 20, peak_bytes=cap)
+
+    def peak(device):
+        tl = RT.plans[plan.key].timeline
+        return BASE if len(tl.backward_began) > len(tl.peak_at_backward) else cap
+    monkeypatch.setattr(plan_state, "device_peak", peak)
+    _run(plan, steps=2)  # the second step is placed from the first's peak
+    budget = rt.device_budget(plan)
+    assert budget["peak_earlier"] == BASE and budget["peak_released_regions"] == [3, 2, 1], budget
+    assert ("the peak fell in a backward that began at 1.000 GiB, after those of regions 3, 2, 1"
+            in rt.format_placements(plan)), rt.format_placements(plan)
 
 
 def test_a_peak_cap_grows_the_budget_no_further_than_every_value():

@@ -62,6 +62,9 @@ class PlanState:
     device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
     device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
     peak_read: int | None = None  # the device's peak as the last step's backward ended
+    peak_earlier: int | None = None  # the device's peak as the backward the last step's peak fell in began (None:
+    # the peak fell before any backward)
+    peak_released: tuple[int, ...] = ()  # the regions whose backward had ended by then
     step_peak: int | None = None  # this step's: read at the end of each backward that unstashed its values
     task: int = -1  # the backward whose end is awaited (its final callback queued)
     warned: bool = False
@@ -168,6 +171,7 @@ class PlanState:
         if peak is None:
             return
         earlier, done = peak_phase(list(self.timeline.peak_at_backward.items()), peak)
+        self.peak_earlier, self.peak_released = earlier, done
         released = sum(self.recording[key] for key, (where, _) in self.placed.items()
                        if where == "host" and key[0] in done)
         move = follow_peak(self.device_budget, self.gpu_bytes, self.peak_bytes, peak, self.peak_read,
