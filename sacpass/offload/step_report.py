@@ -74,8 +74,8 @@ def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
         if b["peak_earlier"] is not None:
             done = b["peak_released_regions"]
             lines.append(f"the peak fell in a backward that began at {b['peak_earlier'] / gib:.3f} GiB, after those of "
-                         f"regions {', '.join(map(str, done)) if done else 'none'} (their values count against the "
-                         f"room under that)")
+                         f"regions {', '.join(map(str, done)) if done else 'none'} (those regions' values are kept by "
+                         f"the room under that)")
         if b["held_at"] is not None:
             measured = ", ".join(f"{budget / gib:.3f} GiB {ms:.1f} ms ({b['step_samples'].get(budget, 0)} steps)"
                                  for budget, ms in b["step_ms"].items())
