@@ -189,10 +189,11 @@ class ModelPlan:
     peak_bytes: the device memory the step may peak at (``torch.cuda.max_memory_allocated``; e.g. full
                recompute's peak, measured). After each step the run time reads that peak and raises the device
                budget by what it left under ``peak_bytes``, so the next step keeps more of the last regions'
-               values on the device instead of copying them (``gpu_bytes`` is where it starts). Where the peak
-               fell in a region's backward (the device's peak is also read as each region's backward begins), the
-               values of the regions whose backward had ended by then were gone at it: the budget keeps those by
-               the room under the highest the device reached before that backward. A value kept
+               values on the device instead of copying them (``gpu_bytes`` is where it starts). The device's peak
+               is also read as each region's backward begins: a region's values, kept instead of copied, are
+               there only from its forward through its own backward, so they count only against the stretches
+               of the step they live through (the last region's against the forwards, the loss and its own
+               backward). A value kept
                instead of copied adds its bytes at most to any moment of the step, so the peak stays within
                ``peak_bytes``; a step that passes it anyway (the peak rose past it) lowers the budget by the
                excess, never below ``gpu_bytes``, and one whose budget is already there warns. The peak read is

@@ -489,25 +489,50 @@ def test_values_gone_before_the_peak_are_kept_by_the_room_under_what_came_before
     assert [r["device_bytes"] for r in rows] == [0, 0, REGION, REGION], rows
     budget = rt.device_budget(plan)
     assert max(seen) == cap and budget["device_budget"] == 2 * REGION
-    # settled: the kept values reach the cap before any backward now
-    assert budget["peak_earlier"] is None and budget["peak_released_regions"] == [], budget
+    assert list(budget["peak_at_backward"]) == [3, 2, 1, 0], budget  # read as each backward began, in their order
 
 
-def test_the_readout_says_in_which_backward_the_peak_fell(monkeypatch):
-    """After a step that peaked in region 0's backward, having reached BASE before it: the budget readout and the
-    placements' last lines say so."""
+def test_each_region_keeps_by_the_room_of_the_stretches_its_values_live_through(monkeypatch):
+    """The forward and the loss reach BASE, region 3's backward BASE + one region, the others the cap: region 3's
+    values, gone after its backward, fit under the first two stretches and stay on the device; region 2's would
+    live through region 3's backward too, which has no room left for them, so they still go to the host."""
+    cap = BASE + 2 * REGION
+    plan = _plan(0, 1 << 20, peak_bytes=cap)
+    seen, high = [], [0]
+
+    def peak(device):  # each stretch's peak from what the step keeps; the running peak read, reset between steps
+        pl = RT.plans[plan.key]
+        kept = {r: 0 for r in range(LAYERS)}
+        for (r, _), (where, n) in pl.placed.items():
+            kept[r] += n if where == "device" else 0
+        stretches = [BASE + sum(kept.values()), BASE + REGION + kept[2] + kept[1] + kept[0], cap + kept[1] + kept[0],
+                     cap + kept[0], cap]
+        tl = pl.timeline
+        at = len(tl.peak_at_backward) if len(tl.backward_began) > len(tl.peak_at_backward) else LAYERS
+        high[0] = max(stretches[:at + 1])
+        seen.append(high[0])
+        return high[0]
+    monkeypatch.setattr(plan_state, "device_peak", peak)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sacpass.SacpassWarning)
+        _, st, rows, _ = _run(plan, steps=5)
+    assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION], rows
+    assert max(seen) == cap and rt.device_budget(plan)["device_budget"] == REGION
+
+
+def test_the_readout_gives_the_device_s_peak_as_each_backward_began(monkeypatch):
     cap = BASE + 2 * REGION
     plan = _plan(0, 1 << 20, peak_bytes=cap)
 
     def peak(device):
         tl = RT.plans[plan.key].timeline
-        return BASE if len(tl.backward_began) > len(tl.peak_at_backward) else cap
+        return BASE + len(tl.peak_at_backward) * REGION if len(tl.backward_began) > len(tl.peak_at_backward) else cap
     monkeypatch.setattr(plan_state, "device_peak", peak)
     _run(plan, steps=2)  # the second step is placed from the first's peak
     budget = rt.device_budget(plan)
-    assert budget["peak_earlier"] == BASE and budget["peak_released_regions"] == [3, 2, 1], budget
-    assert ("the peak fell in a backward that began at 1.000 GiB, after those of regions 3, 2, 1"
-            in rt.format_placements(plan)), rt.format_placements(plan)
+    assert budget["peak_at_backward"] == {3: BASE, 2: BASE + REGION, 1: BASE + 2 * REGION, 0: BASE + 3 * REGION}
+    line = f"the device's peak as each region's backward began (GiB): 3 {BASE / 2**30:.3f}, 2 {(BASE + REGION) / 2**30:.3f}"
+    assert line in rt.format_placements(plan), rt.format_placements(plan)
 
 
 def test_a_peak_cap_grows_the_budget_no_further_than_every_value():

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sacpass
-from sacpass.offload.placement import (CONFIRM, PAYS, Budgets, cheaper_budget, follow_peak, later_device_bytes,
-                                       peak_phase, place_arriving, place_step, smallest_budgets)
+from sacpass.offload.placement import (CONFIRM, PAYS, Budgets, backward_room, cheaper_budget, fits_room, follow_peak,
+                                       later_device_bytes, place_arriving, place_step, room_fill, smallest_budgets)
 from sacpass.offload.sizes import pool_bytes
 
 
@@ -130,29 +130,40 @@ def test_the_device_budget_follows_the_measured_peak():
     assert at_floor.device_budget == 5 and at_floor.at_floor_past_cap  # already at gpu_bytes: the plan warns
 
 
-def test_the_peak_s_phase_is_the_backward_in_which_the_running_peak_reached_it():
+def test_each_stretch_of_the_step_has_the_room_under_the_running_peak_at_its_end():
     marks = [(3, 40), (2, 55), (1, 55), (0, 70)]  # (region, running peak as its backward began), backward order
-    assert peak_phase(marks, 40) == (None, ())  # reached before the first backward: the forward, the loss
-    assert peak_phase(marks, 55) == (40, ())  # in region 3's backward, which began at 40: nothing ended before
-    assert peak_phase(marks, 70) == (55, (3, 2))  # in region 1's backward: 3 and 2 had ended
-    assert peak_phase(marks, 90) == (70, (3, 2, 1))  # in the last backward (region 0's)
-    assert peak_phase([], 90) == (None, ())
-    assert peak_phase([(1, 120), (0, 120)], 100) == (None, ())  # an older, higher peak: the marks cannot tell
+    # before the first backward, then the backward of regions 3, 2, 1 and 0 (the last ends at the step's peak)
+    assert backward_room(100, 90, marks) == [60, 45, 45, 30, 10]
 
 
-def test_values_whose_backward_ended_before_the_peak_are_kept_by_the_room_under_what_came_before_it():
+def test_a_region_s_kept_bytes_count_in_every_stretch_up_to_its_own_backward():
+    room = [60, 45, 45, 30, 10]
+    assert fits_room([45, 0, 0, 0], room)  # the first backward's region: stretches 0 and 1
+    assert not fits_room([46, 0, 0, 0], room)
+    assert fits_room([20, 25, 0, 0], room) and not fits_room([20, 26, 0, 0], room)  # 2 is in stretch 1 too
+    assert fits_room([0, 0, 10, 10], room) and not fits_room([0, 0, 0, 11], room)  # region 0: through the peak
+    assert fits_room([50, -5, 0, 0], room)  # a region that keeps less makes room where its values were
+
+
+def test_the_fill_goes_from_the_first_backward_s_region_on_within_every_stretch_s_room():
+    room = [60, 45, 45, 30, 10]
+    assert room_fill([30, 30, 30, 30], room) == [30, 15]  # 2 fills in part (stretch 1: 45 in all), then stops
+    assert room_fill([10, 10, 10, 10], room) == [10, 10, 10, 10]  # 40 in stretches 0 and 1, 20 in 3, 10 in 4
+    assert room_fill([10, 10, 10, 30], room) == [10, 10, 10, 10]  # region 0 alone lives through the peak's 10
+    assert room_fill([0, 50], room) == [0, 45]
+    # every fill fits
+    for host in ([30, 30, 30, 30], [10, 10, 10, 10], [5, 50, 5, 5], [70, 0, 0, 0]):
+        fill = room_fill(host, room)
+        assert fits_room(fill + [0] * (4 - len(fill)), room), (host, fill)
+
+
+def test_the_device_budget_grows_by_the_larger_of_the_peak_s_room_and_the_stretches():
     cap = 100
-    # the peak at the cap, in a backward that began at 60: 25 bytes the regions before it sent to the host fit
-    # the 40 of room before it; the peak's own room is none
-    assert follow_peak(0, 0, cap, 100, None, everything=1000, earlier=60, released=25).device_budget == 25
-    assert follow_peak(0, 0, cap, 100, None, everything=1000, earlier=60, released=80).device_budget == 40
-    # room under the peak too: the released values first, then up to the peak's room, all under the earlier room
-    assert follow_peak(0, 0, cap, 90, None, everything=1000, earlier=60, released=25).device_budget == 35
-    assert follow_peak(0, 0, cap, 90, None, everything=1000, earlier=95, released=25).device_budget == 5
-    assert follow_peak(0, 0, cap, 90, None, everything=1000, earlier=None, released=25).device_budget == 10
-    assert follow_peak(0, 0, cap, 90, None, everything=20, earlier=60, released=25).device_budget == 20
-    # past the cap: lowered as before, whatever came before it
-    assert follow_peak(50, 0, cap, 130, None, everything=1000, earlier=60, released=25).device_budget == 20
+    assert follow_peak(0, 0, cap, 100, None, everything=1000, room=25).device_budget == 25
+    assert follow_peak(0, 0, cap, 90, None, everything=1000, room=5).device_budget == 10  # the peak's room is more
+    assert follow_peak(0, 0, cap, 90, None, everything=20, room=35).device_budget == 20
+    # past the cap: lowered as before, whatever the stretches' room
+    assert follow_peak(50, 0, cap, 130, None, everything=1000, room=25).device_budget == 20
 
 
 def test_a_budget_that_did_not_measure_faster_than_a_smaller_one_goes_back_to_the_smallest_as_fast():

@@ -128,8 +128,8 @@ def device_budget(plan) -> dict:
     """A model plan's device budget: ``gpu_bytes`` (where it started), ``device_budget`` (what the next step
     keeps on the device), ``peak_bytes`` (the cap, or None), ``peak_read`` (the device's peak allocated
     memory as the last step's backward ended, or None before one has, or where there is none to read),
-    ``peak_earlier`` and ``peak_released_regions`` (where the peak read fell in a region's backward: the device's
-    peak as that backward began, and the regions whose backward had ended; None and [] where it fell before any),
+    ``peak_at_backward`` ({region: the device's peak as its backward began}, in the order the backwards ran, for
+    the last step read; empty where none was),
     ``step_ms`` ({device budget: the fastest step measured at it, in its regions' forwards and backwards}) and
     ``held_at`` (the budget the plan holds at because a larger one measured no faster, or None)."""
     from ..plan import declared_plan

@@ -21,7 +21,7 @@ from ..errors import OffloadError
 from .sizes import pool_bytes
 
 __all__ = ["Key", "Budgets", "place_step", "smallest_budgets", "later_device_bytes", "place_arriving", "follow_peak",
-           "PeakMove", "peak_phase", "cheaper_budget", "PAYS", "CONFIRM"]
+           "PeakMove", "backward_room", "fits_room", "room_fill", "cheaper_budget", "PAYS", "CONFIRM"]
 
 Key = tuple[int, int]  # (region, index)
 DEVICE, HOST = "device", "host"
@@ -129,40 +129,50 @@ class PeakMove:
 
 
 def follow_peak(device_budget: int, floor: int, cap: int, peak: int, peak_before: int | None,
-                everything: int, earlier: int | None = None, released: int = 0) -> PeakMove:
+                everything: int, room: int | None = None) -> PeakMove:
     """The device budget after a step that peaked at ``peak`` (the highest since the last reset) under a cap of
-    ``cap``: raised by the room left under the cap (to at most ``everything``, every value of the step); lowered
-    by the excess when the peak rose past the cap (never below ``floor``, the plan's gpu_bytes). A peak no higher
-    than the one read before (``peak_before``) past the cap is the same old peak: nothing moves.
-
-    Where the peak fell in a region's backward (:func:`peak_phase`), ``earlier`` is the highest the device had
-    reached before that backward began and ``released`` the bytes the regions whose backward had already ended
-    sent to the host: those values, kept instead, would have been gone at the peak, so the budget may take them
-    by the room under ``earlier`` (the fill goes from the last region back: to them first); what it takes beyond
-    them counts against the peak's own room."""
+    ``cap``: raised by the room left under the cap (``room`` where :func:`backward_room` found more, else
+    ``cap - peak``; to at most ``everything``, every value of the step); lowered by the excess when the peak rose
+    past the cap (never below ``floor``, the plan's gpu_bytes). A peak no higher than the one read before
+    (``peak_before``) past the cap is the same old peak: nothing moves."""
     if peak <= cap:
-        room = cap - peak
-        if earlier is not None and released > 0:
-            late = min(max(0, cap - earlier), released)
-            room = late + min(room, max(0, cap - earlier - late))
-        return PeakMove(max(device_budget, min(device_budget + room, everything)), False)
+        grow = max(cap - peak, room or 0)
+        return PeakMove(max(device_budget, min(device_budget + grow, everything)), False)
     if peak_before is None or peak > peak_before:
         lowered = max(floor, device_budget - (peak - cap))
         return PeakMove(lowered, lowered == device_budget)
     return PeakMove(device_budget, False)
 
 
-def peak_phase(marks: Sequence[tuple[int, int]], peak: int) -> tuple[int | None, tuple[int, ...]]:
-    """Where a step's ``peak`` fell, from ``marks``: (region, the device's running peak as its backward began),
-    in the order the backwards ran. Returns the running peak as the backward the step's peak fell in began, and
-    the regions whose backward had ended by then; (None, ()) where it fell before any backward (the forward, the
-    loss) or the marks cannot tell (a peak reached in an earlier step and not reset)."""
-    for i, (_, seen) in enumerate(marks):
-        if seen >= peak:
-            return (None, ()) if i == 0 else (marks[i - 1][1], tuple(r for r, _ in marks[:i - 1]))
-    if not marks:
-        return None, ()
-    return marks[-1][1], tuple(r for r, _ in marks[:-1])
+def backward_room(cap: int, peak: int, marks: Sequence[tuple[int, int]]) -> list[int]:
+    """The room under ``cap`` in each stretch of a step, from ``marks``: (region, the device's running peak as its
+    backward began), in the order the backwards ran, and the step's ``peak``. Stretch 0 is everything before the
+    first backward (the forwards, the loss); stretch ``s`` is the backward of the region at position ``s - 1``.
+    A stretch peaks at most at the running peak at its end (the next mark; the step's peak for the last), so its
+    room is at least ``cap`` less that. A value a region keeps on the device instead of copying is there from its
+    forward through its own backward: in stretches 0 to its position + 1 (:func:`fits_room`)."""
+    ends = [seen for _, seen in marks] + [peak]
+    return [cap - end for end in ends]
+
+
+def fits_room(added: Sequence[int], room: Sequence[int]) -> bool:
+    """Whether a step that keeps ``added[j]`` more bytes on the device for the region at backward position ``j``
+    (its values there from its forward through its own backward) stays within ``room`` (:func:`backward_room`) in
+    every stretch: stretch ``s`` holds the added bytes of positions ``s - 1`` on."""
+    return all(sum(added[max(s - 1, 0):]) <= free for s, free in enumerate(room))
+
+
+def room_fill(host: Sequence[int], room: Sequence[int]) -> list[int]:
+    """The bytes each region, by backward position, may keep more on the device within ``room``, filled as the
+    placement fills (from the first backward's region on, the next only once one is full): ``host[j]`` is what
+    the region at position ``j`` sent to the host."""
+    fill: list[int] = []
+    for j, sent in enumerate(host):
+        limit = min(free - sum(fill[max(s - 1, 0):]) for s, free in enumerate(room[:j + 2]))
+        fill.append(max(0, min(sent, limit)))
+        if fill[-1] < sent:
+            break
+    return fill
 
 
 PAYS = 0.01  # a larger device budget is kept only where its step measured this much faster than at every smaller one

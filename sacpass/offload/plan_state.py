@@ -20,8 +20,8 @@ import torch
 
 from .. import compression
 from . import clocks
-from .placement import (Budgets, Key, cheaper_budget, follow_peak, later_device_bytes, peak_phase, place_arriving,
-                        place_step)
+from .placement import (Budgets, Key, backward_room, cheaper_budget, fits_room, follow_peak, later_device_bytes,
+                        place_arriving, place_step, room_fill)
 from .sizes import packed_pool_bytes, pool_bytes
 from .timeline import Timeline
 
@@ -62,9 +62,8 @@ class PlanState:
     device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
     device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
     peak_read: int | None = None  # the device's peak as the last step's backward ended
-    peak_earlier: int | None = None  # the device's peak as the backward the last step's peak fell in began (None:
-    # the peak fell before any backward)
-    peak_released: tuple[int, ...] = ()  # the regions whose backward had ended by then
+    peak_marks: dict[int, int] = field(default_factory=dict)  # the last step's: region -> the device's peak as its
+    # backward began
     step_peak: int | None = None  # this step's: read at the end of each backward that unstashed its values
     task: int = -1  # the backward whose end is awaited (its final callback queued)
     warned: bool = False
@@ -170,12 +169,9 @@ class PlanState:
         peak, self.step_peak = self.step_peak, None
         if peak is None:
             return
-        earlier, done = peak_phase(list(self.timeline.peak_at_backward.items()), peak)
-        self.peak_earlier, self.peak_released = earlier, done
-        released = sum(self.recording[key] for key, (where, _) in self.placed.items()
-                       if where == "host" and key[0] in done)
+        self.peak_marks = dict(self.timeline.peak_at_backward)
         move = follow_peak(self.device_budget, self.gpu_bytes, self.peak_bytes, peak, self.peak_read,
-                           everything=sum(self.recording.values()), earlier=earlier, released=released)
+                           everything=sum(self.recording.values()), room=self._room(peak))
         if move.at_floor_past_cap and not self.warned:
             self.warned = True
             self.say(
@@ -186,6 +182,37 @@ class PlanState:
                 f"torch.cuda.reset_peak_memory_stats() after that step.)")
         self.device_budget = move.device_budget
         self.peak_read = peak
+
+    def _room(self, peak: int) -> int | None:
+        """More device bytes the next step may keep than ``cap - peak``, by where in the step each region's values
+        were gone (:func:`~sacpass.offload.placement.backward_room`, from the device's peak read as each backward
+        began): the fill from the last region back (:func:`~sacpass.offload.placement.room_fill`), checked
+        against the placement the larger budget gives (:func:`~sacpass.offload.placement.fits_room`); None where
+        the marks cannot tell (none read, the peak past the cap) or no larger budget fits."""
+        marks = list(self.timeline.peak_at_backward.items())
+        if not marks or peak > self.peak_bytes:
+            return None
+        room = backward_room(self.peak_bytes, peak, marks)
+        position = {region: j for j, (region, _) in enumerate(marks)}
+        host, kept = [0] * len(marks), [0] * len(marks)
+        for key, (where, _) in self.placed.items():
+            if key[0] in position:
+                (host if where == "host" else kept)[position[key[0]]] += self.recording[key]
+        fill = room_fill(host, room)
+        for extra in sorted({sum(fill), sum(fill[:-1])}, reverse=True):  # with the last region filled in part, or not
+            if extra <= 0:
+                break
+            table = place_step(self.recording, Budgets(self.regions, self.device_budget + extra, 1 << 62))
+            added, unmarked = [-n for n in kept], False
+            for key, where in table.items():
+                if where == "device":
+                    if key[0] in position:
+                        added[position[key[0]]] += self.recording[key]
+                    else:
+                        unmarked = True
+            if not unmarked and fits_room(added, room):
+                return extra
+        return None
 
     def place(self, region: int, index: int, nbytes: int, packed: int | None = None) -> str:
         """Where value ``index`` of region ``region`` waits: the table's place (from the step before), or in the

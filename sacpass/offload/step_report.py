@@ -49,8 +49,7 @@ def placement_rows(states: list[PlanState]) -> list[dict]:
 
 def budget_of(state: PlanState) -> dict:
     return {"gpu_bytes": state.gpu_bytes, "device_budget": state.device_budget, "peak_bytes": state.peak_bytes,
-            "peak_read": state.peak_read, "peak_earlier": state.peak_earlier,
-            "peak_released_regions": list(state.peak_released), "held_at": state.held,
+            "peak_read": state.peak_read, "peak_at_backward": dict(state.peak_marks), "held_at": state.held,
             "step_ms": dict(sorted(state.step_ms.items())),
             "step_samples": dict(sorted(state.step_samples.items())), "doubt": state.doubt}
 
@@ -69,13 +68,12 @@ def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
     if state is not None and state.peak_bytes is not None:
         b = budget_of(state)
         read = "none read yet" if b["peak_read"] is None else f"{b['peak_read'] / gib:.3f} GiB read"
+        if b["peak_at_backward"]:
+            marks = ", ".join(f"{region} {seen / gib:.3f}" for region, seen in b["peak_at_backward"].items())
+            lines.append(f"the device's peak as each region's backward began (GiB): {marks}; a region's values kept "
+                         f"instead of copied count only where they are alive")
         lines.append(f"device budget {b['device_budget'] / gib:.3f} GiB for the next step (from gpu_bytes "
                      f"{b['gpu_bytes'] / gib:.3f}; peak {read}, cap {b['peak_bytes'] / gib:.3f})")
-        if b["peak_earlier"] is not None:
-            done = b["peak_released_regions"]
-            lines.append(f"the peak fell in a backward that began at {b['peak_earlier'] / gib:.3f} GiB, after those of "
-                         f"regions {', '.join(map(str, done)) if done else 'none'} (those regions' values are kept by "
-                         f"the room under that)")
         if b["held_at"] is not None:
             measured = ", ".join(f"{budget / gib:.3f} GiB {ms:.1f} ms ({b['step_samples'].get(budget, 0)} steps)"
                                  for budget, ms in b["step_ms"].items())
