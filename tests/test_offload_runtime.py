@@ -7,7 +7,9 @@ prefetch nobody consumes is freed when its backward ends. The GPU side is tests/
 """
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -405,3 +407,44 @@ def test_an_offload_the_host_has_no_memory_for_raises_before_allocating(monkeypa
         _offload_all([(1000,)])
     assert rt.stats().host_bytes_held == 0
     _assert_empty()
+
+
+class _CopyStillRunning:
+    """A copy to the host the copy engine has not finished (a GPU's, behind the copies queued before it)."""
+
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("case", ["running", "finished", "written since", "gone", "other layout"])
+def test_a_value_asked_for_while_its_copy_out_still_runs_is_handed_back_from_the_device(case):
+    """The backward of the last layers can ask for a value before its copy to the host has finished (a forward
+    whose copies run longer than its compute): while the feeder still holds the device value, the reload hands it
+    back (no copy back, no wait for the two copies); a finished copy, a value written since, one already let go
+    or one whose host copy has another layout come back through the host as before, equal to what was offloaded."""
+    x = torch.randn(64, 48)
+    want, nbytes = x.clone(), x.numel() * x.element_size()
+    host = torch.ops.sacpass.offload(x, 0, [])
+    entry = RT.transfers.entry_for(host)
+    entry.d2h = _CopyStillRunning(done=case == "finished")
+    entry.source, entry.version = weakref.ref(x), x._version
+    if case == "written since":
+        x.add_(0)  # the same numbers, a new version: the host copy might not have seen a write
+    if case == "gone":
+        del x
+        gc.collect()
+    if case == "other layout":
+        entry.stride = (1, 64)  # as the host copy of a value that was not dense
+    rt.reset_stats()
+    back = torch.ops.sacpass.reload(host, torch.device("cpu"))
+    st = rt.stats()
+    handed_back = case == "running"
+    assert (back is entry.source()) is handed_back
+    if case != "other layout":
+        assert torch.equal(back, want)
+    assert st.unsent_bytes == (nbytes if handed_back else 0), st.format()
+    assert st.reloaded_bytes == (0 if handed_back else nbytes) and st.waited_reloads == (0 if handed_back else 1)
+    assert ("handed back before their copy out finished" in st.format()) is handed_back

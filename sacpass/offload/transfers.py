@@ -9,7 +9,9 @@
   issues, on the ``h2d`` stream, the copies that come next in the order the backward reads them (the rest of
   its bundle, then the bundle before it), while the copies issued and not yet read stay within the prefetch
   limit per device. The order is the one the backward of the same graph read them in last time (keyed by the
-  bundle's layout); before that, the reverse of the forward's.
+  bundle's layout); before that, the reverse of the forward's. A value the backward asks for while its copy to
+  the host is still being fed (the copy engine behind the forward, at its last layers) comes back as the device
+  value itself (:func:`unfinished_source`): no copy back, no wait for both copies.
 
 Lifetimes: a bundle lives as long as one of its host tensors does; a reloaded copy the backward read is the
 backward's (its compute stream waited for the copy, so its memory is reused in that stream's order at once); a
@@ -33,7 +35,7 @@ from .pool import Block, HostMemory, block_tensor
 from .sizes import format_bytes, host_layout
 from .counters import OffloadStats
 
-__all__ = ["Bundle", "Entry", "ReadOrders", "Transfers"]
+__all__ = ["Bundle", "Entry", "ReadOrders", "Transfers", "unfinished_source"]
 
 
 def _deref(ref: "weakref.ref | None"):
@@ -108,8 +110,25 @@ class Entry:
     position: int = 0  # in its bundle
     reload: Tensor | None = None  # the device copy, once issued and until read
     h2d: "torch.cuda.Event | None" = None
+    source: "weakref.ref[Tensor] | None" = None  # the device value, while its copy is still being fed (a GPU's)
+    version: int = 0  # the device value's version counter when it was offloaded
     read: bool = False  # a backward has read it
     timing: "dict[str, list] | None" = None  # a model plan's region: its copies' times, each way
+
+
+def unfinished_source(entry: Entry, device: torch.device) -> Tensor | None:
+    """The device value ``entry`` was offloaded from, where the backward asks for it before its copy to the host
+    has finished (the copy engine still behind: the last regions of a forward whose copies run longer than its
+    compute): while the feeder still holds it, it is alive, and handing it back saves the copy back and the wait
+    for both copies. None where it is gone (its last chunk queued), its copy finished, it was written since, or it
+    lives elsewhere or in another layout than the host copy's."""
+    if entry.source is None or entry.d2h is None:
+        return None
+    x = entry.source()
+    if (x is None or entry.d2h.query() or x._version != entry.version or device_key(x.device) != device_key(device)
+            or tuple(x.shape) != entry.shape or tuple(x.stride()) != entry.stride or x.dtype != entry.dtype):
+        return None
+    return x
 
 
 class Transfers:
@@ -161,6 +180,7 @@ class Transfers:
             # has queued the copy's last chunk
             x.record_stream(streams.get("d2h"))
             entry.d2h = streams.feed("d2h", host, x, timing=timing)
+            entry.source, entry.version = weakref.ref(x), x._version
             block.events["d2h"] = entry.d2h
         else:
             timed_copy("d2h", host, x, timing)
@@ -198,9 +218,8 @@ class Transfers:
             bundle.started = True
             bundle.layout()
         self._track(bundle)
-        if entry.reload is None:  # not prefetched (or read before: a second backward through the same graph)
-            self._issue(entry, device)
-            self.stats.waited_reloads += 1
+        if entry.reload is None and not self._issue(entry, device):  # not prefetched (or read before: a second
+            self.stats.waited_reloads += 1  # backward through the same graph), and a copy was needed
         out, event = entry.reload, entry.h2d
         self._drop(entry, read=True)
         if not entry.read:
@@ -224,11 +243,20 @@ class Transfers:
             for entry in b.pending():
                 if state.in_flight and limit is not None and state.in_flight + entry.nbytes > limit:
                     return
-                self._issue(entry, device)
-                self.stats.prefetched_bytes += entry.nbytes
+                if not self._issue(entry, device):  # a copy issued ahead (not the device value handed back)
+                    self.stats.prefetched_bytes += entry.nbytes
                 self._track(b)
 
-    def _issue(self, entry: Entry, device: torch.device) -> None:
+    def _issue(self, entry: Entry, device: torch.device) -> bool:
+        """Give ``entry`` its device copy: the device value itself where its copy to the host is still going
+        (:func:`unfinished_source`: returns True, nothing copied), else a copy issued on the ``h2d`` stream after
+        the copy to the host (False)."""
+        source = unfinished_source(entry, device)
+        if source is not None:
+            entry.reload, entry.h2d = source, None
+            self.devices(entry.bundle.device).in_flight += entry.nbytes
+            self.stats.unsent_bytes += entry.nbytes
+            return True
         self._warn_past_prefetch_limit(entry.nbytes, self.prefetch_limit(device_key(device)))
         src = block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
         dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
@@ -242,6 +270,7 @@ class Transfers:
         self.devices(entry.bundle.device).in_flight += entry.nbytes
         self.stats.reloaded_bytes += entry.nbytes
         self.stats.largest_reload_bytes = max(self.stats.largest_reload_bytes, entry.nbytes)
+        return False
 
     def _drop(self, entry: Entry, read: bool = False) -> None:
         """Forget ``entry``'s device copy: handed to the backward (``read``), whose compute stream waits for the
