@@ -462,6 +462,26 @@ def test_a_peak_cap_raises_the_device_budget_to_what_the_measured_peak_leaves(mo
         assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
 
 
+def _peaks_by_stretch(monkeypatch, plan, stretches):
+    """The device's running peak as the runtime reads it (as each backward begins and as the step's backward
+    ends; reset between steps, as bench_model does): the highest so far of ``stretches(kept)``, each stretch's peak
+    (before the first backward, then each region's backward, the last region's first) from the bytes the step
+    keeps on the device by region. Returns every value read."""
+    seen = []
+
+    def peak(device):
+        pl = RT.plans[plan.key]
+        kept = dict.fromkeys(range(LAYERS), 0)
+        for (r, _), (where, n) in pl.placed.items():
+            kept[r] += n if where == "device" else 0
+        tl = pl.timeline
+        at = len(tl.peak_at_backward) if len(tl.backward_began) > len(tl.peak_at_backward) else LAYERS
+        seen.append(max(stretches(kept)[:at + 1]))
+        return seen[-1]
+    monkeypatch.setattr(plan_state, "device_peak", peak)
+    return seen
+
+
 def test_values_gone_before_the_peak_are_kept_by_the_room_under_what_came_before_it(monkeypatch):
     """The step peaks at the cap in the first region's backward (the last to run), where the other regions'
     values are gone: the cap's room at the peak is none, but the device reached only BASE before that backward
@@ -469,20 +489,8 @@ def test_values_gone_before_the_peak_are_kept_by_the_room_under_what_came_before
     the device (2 regions of room under the cap there) and the peak stays at the cap."""
     cap = BASE + 2 * REGION
     plan = _plan(0, 1 << 20, peak_bytes=cap)
-    seen, high = [], [0]
-
-    def peak(device):  # the running peak: BASE + what is kept until a backward; the cap in region 0's
-        pl = RT.plans[plan.key]
-        kept = sum(n for (r, _), (where, n) in pl.placed.items() if where == "device")
-        in_first = sum(n for (r, _), (where, n) in pl.placed.items() if where == "device" and r == 0)
-        tl = pl.timeline
-        at_a_backward_start = len(tl.backward_began) > len(tl.peak_at_backward)
-        if at_a_backward_start and not tl.peak_at_backward:  # a reset between steps, as bench_model does
-            high[0] = 0
-        high[0] = max(high[0], BASE + kept if at_a_backward_start else cap + in_first)
-        seen.append(high[0])
-        return high[0]
-    monkeypatch.setattr(plan_state, "device_peak", peak)
+    # BASE and what the step keeps until the last backward, region 0's, which reaches the cap
+    seen = _peaks_by_stretch(monkeypatch, plan, lambda kept: [BASE + sum(kept.values())] * LAYERS + [cap + kept[0]])
     with warnings.catch_warnings():
         warnings.simplefilter("error", sacpass.SacpassWarning)
         _, st, rows, _ = _run(plan, steps=5)
@@ -498,21 +506,9 @@ def test_each_region_keeps_by_the_room_of_the_stretches_its_values_live_through(
     live through region 3's backward too, which has no room left for them, so they still go to the host."""
     cap = BASE + 2 * REGION
     plan = _plan(0, 1 << 20, peak_bytes=cap)
-    seen, high = [], [0]
-
-    def peak(device):  # each stretch's peak from what the step keeps; the running peak read, reset between steps
-        pl = RT.plans[plan.key]
-        kept = {r: 0 for r in range(LAYERS)}
-        for (r, _), (where, n) in pl.placed.items():
-            kept[r] += n if where == "device" else 0
-        stretches = [BASE + sum(kept.values()), BASE + REGION + kept[2] + kept[1] + kept[0], cap + kept[1] + kept[0],
-                     cap + kept[0], cap]
-        tl = pl.timeline
-        at = len(tl.peak_at_backward) if len(tl.backward_began) > len(tl.peak_at_backward) else LAYERS
-        high[0] = max(stretches[:at + 1])
-        seen.append(high[0])
-        return high[0]
-    monkeypatch.setattr(plan_state, "device_peak", peak)
+    seen = _peaks_by_stretch(monkeypatch, plan, lambda kept: [
+        BASE + sum(kept.values()), BASE + REGION + kept[2] + kept[1] + kept[0], cap + kept[1] + kept[0],
+        cap + kept[0], cap])
     with warnings.catch_warnings():
         warnings.simplefilter("error", sacpass.SacpassWarning)
         _, st, rows, _ = _run(plan, steps=5)
