@@ -448,3 +448,8 @@ def test_a_value_asked_for_while_its_copy_out_still_runs_is_handed_back_from_the
     assert st.unsent_bytes == (nbytes if handed_back else 0), st.format()
     assert st.reloaded_bytes == (0 if handed_back else nbytes) and st.waited_reloads == (0 if handed_back else 1)
     assert ("handed back before their copy out finished" in st.format()) is handed_back
+    if handed_back:  # a second backward through the same graph cannot trust the host copy: said, not guessed
+        with pytest.raises(sacpass.OffloadError, match=r"read a second time .* sacpass.offload.synchronize\(\)"):
+            torch.ops.sacpass.reload(host, torch.device("cpu"))
+    else:  # one read through the host: a second reads the host copy again
+        assert torch.equal(torch.ops.sacpass.reload(host, torch.device("cpu")), back)

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ..errors import OffloadError
 from .clocks import device_key, timed_copy
 from .feeder import FedCopy
 from .pool import Block, HostMemory, block_tensor
@@ -112,6 +113,8 @@ class Entry:
     h2d: "torch.cuda.Event | None" = None
     source: "weakref.ref[Tensor] | None" = None  # the device value, while its copy is still being fed (a GPU's)
     version: int = 0  # the device value's version counter when it was offloaded
+    claimed: bool = False  # its reload is that device value (no copy back)
+    unsent: bool = False  # a backward read the device value: its memory may have been reused while the copy ran
     read: bool = False  # a backward has read it
     timing: "dict[str, list] | None" = None  # a model plan's region: its copies' times, each way
 
@@ -218,9 +221,17 @@ class Transfers:
             bundle.started = True
             bundle.layout()
         self._track(bundle)
+        if entry.reload is None and entry.unsent:
+            raise OffloadError(
+                "sacpass: an offloaded value is read a second time (a second backward through the same graph, "
+                "retain_graph=True), but its first read took the value from the device while its copy to the host "
+                "still ran, so the host copy may not hold it. Run one backward per forward, or call "
+                "sacpass.offload.synchronize() after a forward whose graph a second backward will use (every copy "
+                "to the host then finishes first).")
         if entry.reload is None and not self._issue(entry, device):  # not prefetched (or read before: a second
             self.stats.waited_reloads += 1  # backward through the same graph), and a copy was needed
         out, event = entry.reload, entry.h2d
+        entry.unsent = entry.unsent or entry.claimed
         self._drop(entry, read=True)
         if not entry.read:
             entry.read = True
@@ -253,7 +264,7 @@ class Transfers:
         the copy to the host (False)."""
         source = unfinished_source(entry, device)
         if source is not None:
-            entry.reload, entry.h2d = source, None
+            entry.reload, entry.h2d, entry.claimed = source, None, True
             self.devices(entry.bundle.device).in_flight += entry.nbytes
             self.stats.unsent_bytes += entry.nbytes
             return True
@@ -280,7 +291,7 @@ class Transfers:
             state = self.devices(entry.bundle.device)
             if not read and entry.reload.is_cuda:
                 entry.reload.record_stream(state.streams.get("h2d"))
-            entry.reload = None
+            entry.reload, entry.claimed = None, False
             state.in_flight -= entry.nbytes
 
     def _warn_past_prefetch_limit(self, nbytes: int, limit: int | None) -> None:
