@@ -570,7 +570,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
            "offload": {"gib_per_step_each_way": st.offloaded_bytes / args.steps / 2 ** 30,
                        "prefetched_share": st.prefetched_bytes / max(1, st.reloaded_bytes),
                        "reloads_not_prefetched_per_step": st.waited_reloads / args.steps,
-                       "unsent_gib_per_step": st.unsent_bytes / args.steps / 2 ** 30,
+                       "device_copied_gib_per_step": st.device_copied_bytes / args.steps / 2 ** 30,
                        "largest_reload_gib": st.largest_reload_bytes / 2 ** 30,
                        "peak_host_gib": st.peak_host_bytes / 2 ** 30,
                        "peak_pool_held_gib": st.peak_host_bytes_held / 2 ** 30,

@@ -14,8 +14,8 @@ class OffloadStats:
     reloaded_bytes: int = 0  # host -> device
     prefetched_bytes: int = 0  # reloads issued ahead, before the backward asked for them
     waited_reloads: int = 0  # reloads whose copy was issued only when the backward asked for it
-    unsent_bytes: int = 0  # values the backward asked for while their copy to the host still ran: handed back from
-    #                        the device, no copy back (not in reloaded_bytes)
+    device_copied_bytes: int = 0  # values the backward asked for while their copy to the host still ran: copied on
+    #                               the device instead (not in reloaded_bytes)
     largest_reload_bytes: int = 0  # the largest single copy back (a prefetch limit below it copies it alone)
     dropped_prefetch_bytes: int = 0  # prefetched, but no backward consumed them: freed when that backward ended
     bundles: int = 0  # bundles opened (forward executions that offloaded)
@@ -36,8 +36,8 @@ class OffloadStats:
         return (f"offload: {self.offloaded_bytes / gib:.3f} GiB out, {self.reloaded_bytes / gib:.3f} GiB back "
                 f"({self.prefetched_bytes / gib:.3f} prefetched, {self.waited_reloads} reloads waited, "
                 f"{self.dropped_prefetch_bytes / gib:.3f} GiB prefetched unused"
-                + (f", {self.unsent_bytes / gib:.3f} GiB handed back before their copy out finished"
-                   if self.unsent_bytes else "") + "); host pool: "
+                + (f", {self.device_copied_bytes / gib:.3f} GiB copied on the device, their copy out unfinished"
+                   if self.device_copied_bytes else "") + "); host pool: "
                 f"{self.host_bytes_alive / gib:.3f} GiB in use of {self.host_bytes_held / gib:.3f} GiB held "
                 f"(peaks {self.peak_host_bytes / gib:.3f} / {self.peak_host_bytes_held / gib:.3f}); "
                 f"{self.bundles_alive} bundles alive of {self.bundles} opened"

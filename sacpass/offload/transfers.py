@@ -11,7 +11,7 @@
   limit per device. The order is the one the backward of the same graph read them in last time (keyed by the
   bundle's layout); before that, the reverse of the forward's. A value the backward asks for while its copy to
   the host is still being fed (the copy engine behind the forward, at its last layers) comes back as the device
-  value itself (:func:`unfinished_source`): no copy back, no wait for both copies.
+  value, copied on the device (:func:`unfinished_source`): no wait for both copies.
 
 Lifetimes: a bundle lives as long as one of its host tensors does; a reloaded copy the backward read is the
 backward's (its compute stream waited for the copy, so its memory is reused in that stream's order at once); a
@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..errors import OffloadError
 from .clocks import device_key, timed_copy
 from .feeder import FedCopy
 from .pool import Block, HostMemory, block_tensor
@@ -113,8 +112,6 @@ class Entry:
     h2d: "torch.cuda.Event | None" = None
     source: "weakref.ref[Tensor] | None" = None  # the device value, while its copy is still being fed (a GPU's)
     version: int = 0  # the device value's version counter when it was offloaded
-    claimed: bool = False  # its reload is that device value (no copy back)
-    unsent: bool = False  # a backward read the device value: its memory may have been reused while the copy ran
     read: bool = False  # a backward has read it
     timing: "dict[str, list] | None" = None  # a model plan's region: its copies' times, each way
 
@@ -122,9 +119,9 @@ class Entry:
 def unfinished_source(entry: Entry, device: torch.device) -> Tensor | None:
     """The device value ``entry`` was offloaded from, where the backward asks for it before its copy to the host
     has finished (the copy engine still behind: the last regions of a forward whose copies run longer than its
-    compute): while the feeder still holds it, it is alive, and handing it back saves the copy back and the wait
-    for both copies. None where it is gone (its last chunk queued), its copy finished, it was written since, or it
-    lives elsewhere or in another layout than the host copy's."""
+    compute): while the feeder still holds it, it is alive, and a copy of it on the device (left untouched for the
+    copy to the host) saves waiting for both copies. None where it is gone (its last chunk queued), its copy
+    finished, it was written since, or it lives elsewhere or in another layout than the host copy's."""
     if entry.source is None or entry.d2h is None:
         return None
     x = entry.source()
@@ -221,17 +218,9 @@ class Transfers:
             bundle.started = True
             bundle.layout()
         self._track(bundle)
-        if entry.reload is None and entry.unsent:
-            raise OffloadError(
-                "sacpass: an offloaded value is read a second time (a second backward through the same graph, "
-                "retain_graph=True), but its first read took the value from the device while its copy to the host "
-                "still ran, so the host copy may not hold it. Run one backward per forward, or call "
-                "sacpass.offload.synchronize() after a forward whose graph a second backward will use (every copy "
-                "to the host then finishes first).")
         if entry.reload is None and not self._issue(entry, device):  # not prefetched (or read before: a second
             self.stats.waited_reloads += 1  # backward through the same graph), and a copy was needed
         out, event = entry.reload, entry.h2d
-        entry.unsent = entry.unsent or entry.claimed
         self._drop(entry, read=True)
         if not entry.read:
             entry.read = True
@@ -254,19 +243,26 @@ class Transfers:
             for entry in b.pending():
                 if state.in_flight and limit is not None and state.in_flight + entry.nbytes > limit:
                     return
-                if not self._issue(entry, device):  # a copy issued ahead (not the device value handed back)
+                if not self._issue(entry, device):  # a copy from the host issued ahead
                     self.stats.prefetched_bytes += entry.nbytes
                 self._track(b)
 
     def _issue(self, entry: Entry, device: torch.device) -> bool:
-        """Give ``entry`` its device copy: the device value itself where its copy to the host is still going
-        (:func:`unfinished_source`: returns True, nothing copied), else a copy issued on the ``h2d`` stream after
-        the copy to the host (False)."""
+        """Give ``entry`` its device copy: where its copy to the host is still going (:func:`unfinished_source`), a
+        copy of the device value on the ``h2d`` stream (returns True: no copy through the host, no wait for it);
+        else a copy from the host on that stream after the copy to the host (False)."""
         source = unfinished_source(entry, device)
         if source is not None:
-            entry.reload, entry.h2d, entry.claimed = source, None, True
+            dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
+            if device.type == "cuda":
+                streams = self.devices(device_key(device)).streams
+                entry.h2d = streams.copy("h2d", dev, source)  # after the compute stream's work so far
+                source.record_stream(streams.get("h2d"))
+            else:
+                dev.copy_(source)
+            entry.reload = dev
             self.devices(entry.bundle.device).in_flight += entry.nbytes
-            self.stats.unsent_bytes += entry.nbytes
+            self.stats.device_copied_bytes += entry.nbytes
             return True
         self._warn_past_prefetch_limit(entry.nbytes, self.prefetch_limit(device_key(device)))
         src = block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
@@ -291,7 +287,7 @@ class Transfers:
             state = self.devices(entry.bundle.device)
             if not read and entry.reload.is_cuda:
                 entry.reload.record_stream(state.streams.get("h2d"))
-            entry.reload, entry.claimed = None, False
+            entry.reload = None
             state.in_flight -= entry.nbytes
 
     def _warn_past_prefetch_limit(self, nbytes: int, limit: int | None) -> None:
