@@ -157,6 +157,23 @@ def test_the_fill_goes_from_the_first_backward_s_region_on_within_every_stretch_
         assert fits_room(fill + [0] * (4 - len(fill)), room), (host, fill)
 
 
+@given(st.lists(st.integers(0, 100), min_size=2, max_size=9), st.data())
+def test_the_fill_never_takes_a_stretch_past_the_cap(peaks, data):
+    """Any step: each stretch's own peak (before the first backward, then each region's backward), the marks read
+    as running peaks, what each region sent to the host; the fill keeps every stretch, with the values it keeps
+    there, under the cap, fills region by region, and keeps no more than a region sent."""
+    n = len(peaks) - 1  # regions
+    host = data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    cap = max(peaks) + data.draw(st.integers(0, 80))
+    running = [max(peaks[:s + 1]) for s in range(n + 1)]
+    room = backward_room(cap, running[-1], [(n - 1 - j, running[j]) for j in range(n)])
+    fill = room_fill(host, room)
+    full = fill + [0] * (n - len(fill))
+    for s, own in enumerate(peaks):  # stretch s holds what positions s - 1 on keep
+        assert own + sum(full[max(s - 1, 0):]) <= cap, (peaks, host, cap, fill)
+    assert all(0 <= f <= h for f, h in zip(full, host)) and all(f == h for f, h in zip(fill[:-1], host))
+
+
 def test_the_device_budget_grows_by_the_larger_of_the_peak_s_room_and_the_stretches():
     cap = 100
     assert follow_peak(0, 0, cap, 100, None, everything=1000, room=25).device_budget == 25
