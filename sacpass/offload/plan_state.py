@@ -62,8 +62,6 @@ class PlanState:
     device_budget: int = -1  # the device bytes the next step keeps: gpu_bytes, raised toward peak_bytes
     device: tuple[str, int] | None = None  # where the planned values live (whose peak is read)
     peak_read: int | None = None  # the device's peak as the last step's backward ended
-    peak_marks: dict[int, int] = field(default_factory=dict)  # the last step's: region -> the device's peak as its
-    # backward began
     step_peak: int | None = None  # this step's: read at the end of each backward that unstashed its values
     task: int = -1  # the backward whose end is awaited (its final callback queued)
     warned: bool = False
@@ -169,7 +167,6 @@ class PlanState:
         peak, self.step_peak = self.step_peak, None
         if peak is None:
             return
-        self.peak_marks = dict(self.timeline.peak_at_backward)
         move = follow_peak(self.device_budget, self.gpu_bytes, self.peak_bytes, peak, self.peak_read,
                            everything=sum(self.recording.values()), room=self._room(peak))
         if move.at_floor_past_cap and not self.warned:

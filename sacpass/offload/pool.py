@@ -100,6 +100,16 @@ class _Slabs:
             self._free(block)
         self.pending = keep
 
+    def release(self, block: Block) -> None:
+        """``block`` freed: at once where no copy touched it, else once its copies have finished, which the next
+        allocation that needs the room asks (a release never queries the copies of every block freed before it:
+        a step frees hundreds, one at a time)."""
+        self.in_use -= block.size
+        if block.events:
+            self.pending.append(block)
+        else:
+            self._free(block)
+
     @staticmethod
     def _free(block: Block) -> None:
         slab = block.slab
@@ -160,15 +170,7 @@ class HostMemory:
         return block
 
     def release(self, block: Block, pinned: bool) -> None:
-        """``block`` freed: at once where no copy touched it, else once its copies have finished, which the next
-        allocation that needs the room asks (a release never queries the copies of every block freed before it:
-        a step frees hundreds, one at a time)."""
-        kind = self.kinds[pinned]
-        kind.in_use -= block.size
-        if block.events:
-            kind.pending.append(block)
-        else:
-            kind._free(block)
+        self.kinds[pinned].release(block)
 
     def trim(self) -> int:
         return sum(k.trim() for k in self.kinds.values())

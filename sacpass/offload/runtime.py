@@ -132,7 +132,7 @@ class Runtime:
                 out, event = self.transfers.read(entry, device)
         if entry is None:
             return self.transfers.plain_copy(host, device)
-        if device.type == "cuda" and event is not None:  # None: the device value itself, no copy
+        if device.type == "cuda":
             torch.cuda.current_stream(device).wait_event(event)
         self.give_warnings()
         return out

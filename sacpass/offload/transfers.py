@@ -252,32 +252,32 @@ class Transfers:
         copy of the device value on the ``h2d`` stream (returns True: no copy through the host, no wait for it);
         else a copy from the host on that stream after the copy to the host (False)."""
         source = unfinished_source(entry, device)
-        if source is not None:
-            dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
-            if device.type == "cuda":
-                streams = self.devices(device_key(device)).streams
-                entry.h2d = streams.copy("h2d", dev, source)  # after the compute stream's work so far
-                source.record_stream(streams.get("h2d"))
-            else:
-                dev.copy_(source)
-            entry.reload = dev
-            self.devices(entry.bundle.device).in_flight += entry.nbytes
-            self.stats.device_copied_bytes += entry.nbytes
-            return True
-        self._warn_past_prefetch_limit(entry.nbytes, self.prefetch_limit(device_key(device)))
-        src = block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
+        on_device = source is not None
+        if not on_device:
+            self._warn_past_prefetch_limit(entry.nbytes, self.prefetch_limit(device_key(device)))
+            source = block_tensor(entry.block, entry.shape, entry.stride, entry.dtype)
         dev = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
         if device.type == "cuda":
-            entry.h2d = self.devices(device_key(device)).streams.copy("h2d", dev, src, after=entry.d2h.event(),
-                                                                       timing=entry.timing)
-            entry.block.events["h2d"] = entry.h2d
+            streams = self.devices(device_key(device)).streams
+            # after the compute stream's work so far; from the host, after the copy there too
+            entry.h2d = streams.copy("h2d", dev, source, after=None if on_device else entry.d2h.event(),
+                                     timing=None if on_device else entry.timing)
+            if on_device:
+                source.record_stream(streams.get("h2d"))
+            else:
+                entry.block.events["h2d"] = entry.h2d
+        elif on_device:
+            dev.copy_(source)
         else:
-            timed_copy("h2d", dev, src, entry.timing)
+            timed_copy("h2d", dev, source, entry.timing)
         entry.reload = dev
         self.devices(entry.bundle.device).in_flight += entry.nbytes
-        self.stats.reloaded_bytes += entry.nbytes
-        self.stats.largest_reload_bytes = max(self.stats.largest_reload_bytes, entry.nbytes)
-        return False
+        if on_device:
+            self.stats.device_copied_bytes += entry.nbytes
+        else:
+            self.stats.reloaded_bytes += entry.nbytes
+            self.stats.largest_reload_bytes = max(self.stats.largest_reload_bytes, entry.nbytes)
+        return on_device
 
     def _drop(self, entry: Entry, read: bool = False) -> None:
         """Forget ``entry``'s device copy: handed to the backward (``read``), whose compute stream waits for the
