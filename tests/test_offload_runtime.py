@@ -17,7 +17,7 @@ import torch
 import sacpass
 import sacpass.offload as rt
 from sacpass.offload.runtime import process_runtime
-from sacpass.offload.transfers import ReadOrders
+from sacpass.offload.transfers import CopiesOut, ReadOrders
 from sacpass.testing import no_compile_caches
 from tests.support.toy import CompiledStack, stack_step
 
@@ -450,3 +450,33 @@ def test_a_value_asked_for_while_its_copy_out_still_runs_is_copied_on_the_device
     assert st.reloaded_bytes == (0 if on_device else nbytes) and st.waited_reloads == (0 if on_device else 1)
     assert ("copied on the device, their copy out unfinished" in st.format()) is on_device
     assert torch.equal(torch.ops.sacpass.reload(host, torch.device("cpu")), back)  # a second backward's read
+
+
+class _Copy:
+    """A copy to the host that finishes when waited for (or has already)."""
+
+    def __init__(self, name: str, waits: list, done: bool = False):
+        self.name, self.waits, self.done = name, waits, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits.append(self.name)
+        self.done = True
+
+
+def test_the_copies_out_wait_for_the_oldest_until_the_new_bytes_fit():
+    """A forward that runs ahead of its copies to the host waits for the oldest, in order and no more than it
+    must, so that the bytes still to copy stay within the limit; copies already finished go without a wait; a
+    value larger than the limit waits for every copy before it and then goes alone."""
+    waits: list = []
+    out = CopiesOut()
+    assert out.make_room(10, 4) == 0 and out.nbytes == 0  # nothing queued: a large value goes at once
+    for name, n, done in [("a", 3, True), ("b", 3, False), ("c", 3, False), ("d", 3, False)]:
+        out.add(_Copy(name, waits, done), n)
+    assert out.make_room(3, 9) == 1 and waits == ["b"] and out.nbytes == 6  # a finished; b waited; c, d left
+    assert out.make_room(3, 9) == 0 and out.nbytes == 6  # 6 + 3 fits
+    out.add(_Copy("e", waits, False), 3)
+    assert out.make_room(5, 9) == 2 and waits == ["b", "c", "d"] and out.nbytes == 3  # 3 + 5 fits only now
+    assert out.make_room(20, 9) == 1 and waits == ["b", "c", "d", "e"] and out.nbytes == 0

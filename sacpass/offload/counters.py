@@ -16,6 +16,8 @@ class OffloadStats:
     waited_reloads: int = 0  # reloads whose copy was issued only when the backward asked for it
     device_copied_bytes: int = 0  # values the backward asked for while their copy to the host still ran: copied on
     #                               the device instead (not in reloaded_bytes)
+    copy_out_waits: int = 0  # copies out the forward waited for (on the host) before offloading more: it ran more
+    #                          than one bundle's bytes ahead of the copy engine
     largest_reload_bytes: int = 0  # the largest single copy back (a prefetch limit below it copies it alone)
     dropped_prefetch_bytes: int = 0  # prefetched, but no backward consumed them: freed when that backward ended
     bundles: int = 0  # bundles opened (forward executions that offloaded)
@@ -37,7 +39,9 @@ class OffloadStats:
                 f"({self.prefetched_bytes / gib:.3f} prefetched, {self.waited_reloads} reloads waited, "
                 f"{self.dropped_prefetch_bytes / gib:.3f} GiB prefetched unused"
                 + (f", {self.device_copied_bytes / gib:.3f} GiB copied on the device, their copy out unfinished"
-                   if self.device_copied_bytes else "") + "); host pool: "
+                   if self.device_copied_bytes else "")
+                + (f", the forward waited for {self.copy_out_waits} copies out" if self.copy_out_waits else "")
+                + "); host pool: "
                 f"{self.host_bytes_alive / gib:.3f} GiB in use of {self.host_bytes_held / gib:.3f} GiB held "
                 f"(peaks {self.peak_host_bytes / gib:.3f} / {self.peak_host_bytes_held / gib:.3f}); "
                 f"{self.bundles_alive} bundles alive of {self.bundles} opened"

@@ -23,7 +23,7 @@ from .plan_state import PlanState
 from .pool import HostMemory
 from .stash import Stashes
 from .counters import OffloadStats
-from .transfers import Transfers
+from .transfers import CopiesOut, Transfers
 
 __all__ = ["DeviceRuntime", "Runtime", "process_runtime", "AUTO", "DEFAULT_PREFETCH_BYTES"]
 
@@ -33,12 +33,14 @@ DEFAULT_PREFETCH_BYTES = 4 << 30  # the automatic prefetch limit before a device
 
 @dataclass(eq=False)
 class DeviceRuntime:
-    """One device's side of the runtime: its copy streams, the reload bytes in flight, the bundle each thread
-    opened last, and the largest bundle and value seen (the automatic prefetch limit)."""
+    """One device's side of the runtime: its copy streams, the reload bytes in flight, the copies out not yet
+    finished, the bundle each thread opened last, and the largest bundle and value seen (the automatic prefetch
+    limit; the largest bundle also bounds the copies out)."""
 
     key: tuple[str, int]
     streams: SideStreams | None = None  # CUDA devices only
     in_flight: int = 0  # bytes of reloads issued and not yet read
+    copies_out: CopiesOut = field(default_factory=CopiesOut)  # offloads whose copy to the host may still run
     open_bundles: dict = field(default_factory=dict)  # thread -> weak ref to the newest bundle
     largest_bundle: int = 0  # bytes one forward execution offloaded, the most yet
     largest_value: int = 0  # the largest single value offloaded

@@ -12,6 +12,10 @@
   bundle's layout); before that, the reverse of the forward's. A value the backward asks for while its copy to
   the host is still being fed (the copy engine behind the forward, at its last layers) comes back as the device
   value, copied on the device (:func:`unfinished_source`): no wait for both copies.
+- The copies out trail the forward by at most one bundle's bytes (:class:`CopiesOut`): a value whose copy to the
+  host has not finished holds its device memory (the allocator hands it out again only after the copy) though
+  PyTorch no longer counts it as allocated; where a forward's copies run longer than its compute, that backlog
+  would grow layer by layer and reach the loss, whose large temporaries then take new memory beside it.
 
 Lifetimes: a bundle lives as long as one of its host tensors does; a reloaded copy the backward read is the
 backward's (its compute stream waited for the copy, so its memory is reused in that stream's order at once); a
@@ -35,7 +39,7 @@ from .pool import Block, HostMemory, block_tensor
 from .sizes import format_bytes, host_layout
 from .counters import OffloadStats
 
-__all__ = ["Bundle", "Entry", "ReadOrders", "Transfers", "unfinished_source"]
+__all__ = ["Bundle", "CopiesOut", "Entry", "ReadOrders", "Transfers", "unfinished_source"]
 
 
 def _deref(ref: "weakref.ref | None"):
@@ -131,6 +135,37 @@ def unfinished_source(entry: Entry, device: torch.device) -> Tensor | None:
     return x
 
 
+class CopiesOut:
+    """One device's copies to the host not known to have finished, oldest first, and their bytes.
+
+    Their sources' memory is in neither of PyTorch's counts that matter: not allocated (the forward let the values
+    go) and not free (the allocator hands it out again only once the copy has finished). :meth:`make_room` keeps
+    it within a limit by waiting, on the host, for the oldest copies: the allocator then sees them finished and
+    reuses their memory, and the forward goes on at the copy engine's pace."""
+
+    def __init__(self) -> None:
+        self.copies: collections.deque = collections.deque()  # (completion, bytes)
+        self.nbytes = 0
+
+    def add(self, done, nbytes: int) -> None:
+        self.copies.append((done, nbytes))
+        self.nbytes += nbytes
+
+    def make_room(self, nbytes: int, limit: int) -> int:
+        """Let the finished copies go, then wait for the oldest ones until ``nbytes`` more fit within ``limit``
+        (a value larger than the limit waits for every copy before it, then goes alone); returns how many copies
+        were waited for."""
+        while self.copies and self.copies[0][0].query():
+            self.nbytes -= self.copies.popleft()[1]
+        waited = 0
+        while self.copies and self.nbytes + nbytes > limit:
+            done, n = self.copies.popleft()
+            done.synchronize()
+            self.nbytes -= n
+            waited += 1
+        return waited
+
+
 class Transfers:
     """Every offloaded value of the process (by its host address), the bundles, the copies in flight per device,
     the reading orders learned, and the backwards that prefetched. Called under the runtime's lock.
@@ -175,11 +210,15 @@ class Transfers:
         state.largest_bundle = max(state.largest_bundle, bundle.nbytes)
         state.largest_value = max(state.largest_value, nbytes)
         if on_cuda:
+            # at most one bundle's bytes (one layer's offloads, the largest yet) still to copy out: the copies of
+            # the layer before may run under this one's forward, no further
+            self.stats.copy_out_waits += state.copies_out.make_room(nbytes, state.largest_bundle)
             streams = state.streams
             # x's memory is handed out again only after the copy: free once the forward drops x and the feeder
             # has queued the copy's last chunk
             x.record_stream(streams.get("d2h"))
             entry.d2h = streams.feed("d2h", host, x, timing=timing)
+            state.copies_out.add(entry.d2h, nbytes)
             entry.source, entry.version = weakref.ref(x), x._version
             block.events["d2h"] = entry.d2h
         else:

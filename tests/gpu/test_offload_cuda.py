@@ -317,3 +317,34 @@ def test_a_reload_asked_for_while_the_copy_out_still_runs_copies_the_device_valu
     again = torch.ops.sacpass.reload(h_first, first.device)
     torch.cuda.synchronize()
     assert torch.equal(again, first) and offload_runtime.stats().reloaded_bytes == first.numel() * 4
+
+
+def test_the_copies_out_trail_the_forward_by_one_bundle_at_most(monkeypatch):
+    """Offloads issued far faster than the copy engine runs them (four bundles of three 256 MiB values, nothing
+    computed between) wait on the host for the oldest copies: the bytes whose copy out has not finished never
+    pass one bundle's, the memory of the values already copied is handed out again (the reserve grows by a
+    bundle and a value or so, not by all twelve values), and every host copy holds its value's bits."""
+    state = process_runtime().device(("cuda", torch.cuda.current_device()))
+    offload_runtime.synchronize()
+    monkeypatch.setattr(state, "largest_bundle", 0)  # this test's bundles set the limit, not earlier tests'
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    reserved, value = torch.cuda.memory_reserved(), 1 << 28
+    offload_runtime.reset_stats()
+    hosts, seeds = [], []
+    for b in range(4):
+        for i in range(3):
+            g = torch.Generator(device="cuda").manual_seed(10 * b + i)
+            x = torch.randn(value // 4, device="cuda", generator=g)
+            hosts.append(torch.ops.sacpass.offload(x, i, []))
+            seeds.append(10 * b + i)
+            assert state.copies_out.nbytes <= state.largest_bundle == 3 * value
+            del x
+    st = offload_runtime.stats()
+    assert st.copy_out_waits >= 3 and "the forward waited for" in st.format(), st.format()
+    grown = torch.cuda.max_memory_reserved() - reserved
+    assert grown <= 3 * value + 2 * value, (grown / 2 ** 30, st.format())  # without the wait: 12 values
+    offload_runtime.synchronize()
+    for h, seed in zip(hosts, seeds):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        assert torch.equal(h, torch.randn(value // 4, device="cuda", generator=g).cpu())
