@@ -77,6 +77,24 @@ def default_host_bytes() -> int:
     return int(PLAN_SHARE * host_limit())
 
 
+def _count(value, least: int) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_shared(owner: str, host_unit: str, host_bytes, hide, min_offload_bytes) -> None:
+    """The checks :class:`Plan` and :class:`ModelPlan` share, in the words of the one given."""
+    if host_bytes is not None and not _count(host_bytes, 0):
+        raise BackendOptionError(f"sacpass: {owner}(host_bytes={host_bytes!r}) is invalid; host_bytes must be None "
+                                 f"(automatic) or an int >= 0 (host bytes {host_unit}).")
+    if isinstance(hide, bool) or not (isinstance(hide, (int, float)) and 0 < hide <= 1):  # NaN fails the range too
+        raise BackendOptionError(f"sacpass: {owner}(hide={hide!r}) is invalid; hide must be in (0, 1] (the share of a "
+                                 f"region's compute its copies may take).")
+    if not _count(min_offload_bytes, 0):
+        raise BackendOptionError(f"sacpass: {owner}(min_offload_bytes={min_offload_bytes!r}) is invalid; "
+                                 f"min_offload_bytes must be an int >= 0.")
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the planner may spend, per execution of one compiled graph (one layer).
@@ -99,27 +117,14 @@ class Plan:
     cost: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
-        def bad(what: str) -> BackendOptionError:
-            return BackendOptionError(f"sacpass: Plan({what}) is invalid; " + {
-                "gpu_bytes": "gpu_bytes must be an int >= 0 (device bytes per layer).",
-                "host_bytes": "host_bytes must be None (automatic) or an int >= 0 (host bytes per layer).",
-                "layers": "layers must be an int >= 1.",
-                "hide": "hide must be in (0, 1].",
-                "min_offload_bytes": "min_offload_bytes must be an int >= 0.",
-                "cost": "cost must be a sacpass.CostModel.",
-            }[what.split("=")[0]])
-        if not isinstance(self.gpu_bytes, int) or self.gpu_bytes < 0:
-            raise bad(f"gpu_bytes={self.gpu_bytes!r}")
-        if self.host_bytes is not None and (not isinstance(self.host_bytes, int) or self.host_bytes < 0):
-            raise bad(f"host_bytes={self.host_bytes!r}")
-        if not isinstance(self.layers, int) or self.layers < 1:
-            raise bad(f"layers={self.layers!r}")
-        if not (isinstance(self.hide, (int, float)) and 0 < self.hide <= 1) or math.isnan(self.hide):
-            raise bad(f"hide={self.hide!r}")
-        if not isinstance(self.min_offload_bytes, int) or self.min_offload_bytes < 0:
-            raise bad(f"min_offload_bytes={self.min_offload_bytes!r}")
+        if not _count(self.gpu_bytes, 0):
+            raise BackendOptionError(f"sacpass: Plan(gpu_bytes={self.gpu_bytes!r}) is invalid; gpu_bytes must be an int "
+                                     f">= 0 (device bytes per layer).")
+        if not _count(self.layers, 1):
+            raise BackendOptionError(f"sacpass: Plan(layers={self.layers!r}) is invalid; layers must be an int >= 1.")
+        _check_shared("Plan", "per layer", self.host_bytes, self.hide, self.min_offload_bytes)
         if not isinstance(self.cost, CostModel):
-            raise bad(f"cost={self.cost!r}")
+            raise BackendOptionError(f"sacpass: Plan(cost={self.cost!r}) is invalid; cost must be a sacpass.CostModel.")
 
     def host_budget(self) -> int:
         if self.host_bytes is not None:
@@ -248,7 +253,7 @@ class ModelPlan:
         if self.cost is not None and not isinstance(self.cost, CostModel):
             raise BackendOptionError(f"sacpass: ModelPlan(cost={self.cost!r}) is invalid; cost must be a "
                                      f"sacpass.CostModel, or None to measure it on the device.")
-        Plan(host_bytes=self.host_bytes, hide=self.hide, min_offload_bytes=self.min_offload_bytes)  # shared checks
+        _check_shared("ModelPlan", "for the whole step", self.host_bytes, self.hide, self.min_offload_bytes)
 
     @property
     def counts_regions(self) -> bool:

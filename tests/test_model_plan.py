@@ -190,8 +190,15 @@ def test_model_plan_checks_its_arguments():
             sacpass.ModelPlan(layers=bad)
     with pytest.raises(sacpass.BackendOptionError, match="gpu_bytes"):
         sacpass.ModelPlan(layers=2, gpu_bytes=-1)
-    with pytest.raises(sacpass.BackendOptionError, match="host_bytes"):
-        sacpass.ModelPlan(layers=2, host_bytes=1.5)
+    for field, bad in (("host_bytes", 1.5), ("host_bytes", True), ("host_bytes", float("nan")), ("hide", True),
+                       ("hide", 0), ("min_offload_bytes", False), ("min_offload_bytes", -1)):
+        # the checks it shares with Plan speak of ModelPlan, whose host_bytes is the whole step's
+        with pytest.raises(sacpass.BackendOptionError, match=rf"^sacpass: ModelPlan\({field}="
+                           + (r".*for the whole step" if field == "host_bytes" else "")):
+            sacpass.ModelPlan(layers=2, **{field: bad})
+    for field, bad in (("gpu_bytes", True), ("host_bytes", True), ("layers", True), ("hide", float("nan"))):
+        with pytest.raises(sacpass.BackendOptionError, match=rf"^sacpass: Plan\({field}="):
+            sacpass.Plan(**{field: bad})
     assert sacpass.backend(plan=sacpass.ModelPlan(layers=3)).config.plan == sacpass.ModelPlan(layers=3)
     fixed = dict(layers=3, gpu_bytes=0, cost=sacpass.CostModel())
     assert sacpass.ModelPlan(**{**fixed, "gpu_bytes": 1}).key != sacpass.ModelPlan(**fixed).key
