@@ -13,11 +13,13 @@ compile caches are reused. Measurements a store already has are never replaced (
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -26,9 +28,52 @@ from torch.utils._pytree import tree_leaves
 
 from .nodes import size_hint
 from .offload.clocks import clock, elapsed_ms
-from .plan import CostModel
+__all__ = ["CostModel", "calibrate", "op_signature", "is_heavy", "OpTimer", "CalibrationStore", "device_name", "BENCHMARKS"]
 
-__all__ = ["calibrate", "op_signature", "is_heavy", "OpTimer", "CalibrationStore", "device_name", "BENCHMARKS"]
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds an op takes: max(FLOPs / matrix rate, bytes moved / memory bandwidth) + a launch overhead.
+
+    FLOPs come from ``torch.utils.flop_counter``'s formulas (ATen matmuls, attention, ``_scaled_mm``, and
+    whatever a model registers for its custom ops with ``register_flop_formula``); bytes are the op's input
+    and output tensor bytes. The defaults are the H200's datasheet-like rates: dense bf16 GEMMs at 790 TFLOP/s,
+    blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s each way; ``efficiency``
+    scales the rates to what whole kernels reach. :func:`sacpass.calibration.calibrate` measures them on the
+    device a plan runs on instead (efficiency 1: the rates are what kernels reached), and ``op_seconds`` holds
+    the measured time of ops at given input shapes (``op_signature``), which wins over the rates for them.
+    """
+
+    name: str = "h200"
+    bf16_flops: float = 790e12  # dense bf16/fp16 matrix FLOP/s
+    fp8_flops: float = 1170e12  # blockwise-scaled e4m3 matrix FLOP/s
+    fp32_flops: float = 60e12  # fp32 (no TF32) matrix FLOP/s
+    memory_bytes_per_s: float = 4.3e12  # device memory, read + write
+    copy_bytes_per_s: float = 51.5 * 2**30  # pinned host <-> device, each way
+    efficiency: float = 0.7  # share of the peak rates real kernels reach
+    launch_s: float = 4e-6  # per kernel
+    op_seconds: tuple[tuple[str, float], ...] = ()  # (op_signature, measured seconds), sorted
+
+    @functools.cached_property
+    def _measured(self) -> dict[str, float]:
+        return dict(self.op_seconds)
+
+    def measured(self, signature: str) -> float | None:
+        """The measured seconds of the op call of ``signature`` (:func:`sacpass.calibration.op_signature`)."""
+        return self._measured.get(signature)
+
+    def flop_rate(self, dtype: torch.dtype) -> float:
+        if dtype in (torch.float32, torch.float64):
+            return self.fp32_flops * self.efficiency
+        if dtype.itemsize == 1:
+            return self.fp8_flops * self.efficiency
+        return self.bf16_flops * self.efficiency
+
+    def seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
+        return max(flops / self.flop_rate(dtype), nbytes / (self.memory_bytes_per_s * self.efficiency)) + self.launch_s
+
+    def copy_seconds(self, nbytes: float) -> float:
+        return nbytes / self.copy_bytes_per_s
+
 
 # name -> what one run of it does: the work its rate is measured in
 BENCHMARKS = ("bf16_mm", "fp8_mm", "fp32_mm", "memory", "h2d", "d2h", "launch")

@@ -29,7 +29,8 @@ from .frames import running
 from .options import check_mode, check_options, options_key
 from .partitioner.context import CompileContext, GraphIds, PartitionConfig, PartitionResult, active
 from .first_step import CountedGraph, FirstStep, checkpoint_regions_in, device_of, trains
-from .plan import ModelPlan, Plan, as_plan, check_memory_budget, declare
+from .offload.plans import declare
+from .plan import ModelPlan, Plan, as_plan, check_memory_budget
 from .policies import Policy, note_registry_used
 from .report import Report
 from .selector_check import SelectorCheck, plan_exact, unmatched

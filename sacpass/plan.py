@@ -1,4 +1,5 @@
-"""The planner's inputs: a :class:`Plan` (budgets) and a :class:`CostModel` (how long an op takes).
+"""The planner's inputs: a :class:`Plan` or a :class:`ModelPlan` (budgets), and a
+:class:`~sacpass.calibration.CostModel` (how long an op takes, measured by :mod:`sacpass.calibration`).
 
 ``sacpass.backend(plan=sacpass.Plan(...))`` (or ``plan="auto"``) makes sacpass choose, in every checkpointed
 region, for each value the backward needs: keep it on the device (``save``), move it to pinned host memory
@@ -8,61 +9,18 @@ and back (``offload``), or ``recompute`` it, to minimise the step time under the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from . import calibration
+from .calibration import CostModel
 from .compression import BF16_RATIO
 from .errors import BackendOptionError
+from .offload.plans import declare
 
 __all__ = ["CostModel", "Plan", "ModelPlan", "as_plan"]
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds an op takes: max(FLOPs / matrix rate, bytes moved / memory bandwidth) + a launch overhead.
-
-    FLOPs come from ``torch.utils.flop_counter``'s formulas (ATen matmuls, attention, ``_scaled_mm``, and
-    whatever a model registers for its custom ops with ``register_flop_formula``); bytes are the op's input
-    and output tensor bytes. The defaults are the H200's datasheet-like rates: dense bf16 GEMMs at 790 TFLOP/s,
-    blockwise FP8 at 1170, device copies at 4.3 TB/s, pinned host copies at 51.5 GiB/s each way; ``efficiency``
-    scales the rates to what whole kernels reach. :func:`sacpass.calibration.calibrate` measures them on the
-    device a plan runs on instead (efficiency 1: the rates are what kernels reached), and ``op_seconds`` holds
-    the measured time of ops at given input shapes (``op_signature``), which wins over the rates for them.
-    """
-
-    name: str = "h200"
-    bf16_flops: float = 790e12  # dense bf16/fp16 matrix FLOP/s
-    fp8_flops: float = 1170e12  # blockwise-scaled e4m3 matrix FLOP/s
-    fp32_flops: float = 60e12  # fp32 (no TF32) matrix FLOP/s
-    memory_bytes_per_s: float = 4.3e12  # device memory, read + write
-    copy_bytes_per_s: float = 51.5 * 2**30  # pinned host <-> device, each way
-    efficiency: float = 0.7  # share of the peak rates real kernels reach
-    launch_s: float = 4e-6  # per kernel
-    op_seconds: tuple[tuple[str, float], ...] = ()  # (op_signature, measured seconds), sorted
-
-    @functools.cached_property
-    def _measured(self) -> dict[str, float]:
-        return dict(self.op_seconds)
-
-    def measured(self, signature: str) -> float | None:
-        """The measured seconds of the op call of ``signature`` (:func:`sacpass.calibration.op_signature`)."""
-        return self._measured.get(signature)
-
-    def flop_rate(self, dtype: torch.dtype) -> float:
-        if dtype in (torch.float32, torch.float64):
-            return self.fp32_flops * self.efficiency
-        if dtype.itemsize == 1:
-            return self.fp8_flops * self.efficiency
-        return self.bf16_flops * self.efficiency
-
-    def seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
-        return max(flops / self.flop_rate(dtype), nbytes / (self.memory_bytes_per_s * self.efficiency)) + self.launch_s
-
-    def copy_seconds(self, nbytes: float) -> float:
-        return nbytes / self.copy_bytes_per_s
 
 
 PLAN_SHARE = 0.9  # of the host pool's limit: what a plan's values may take, the rest room for the slabs' rounding
@@ -279,7 +237,6 @@ class ModelPlan:
                                      "resolve it with the count (regions=...), or pass layers=.")
         cost = self.cost
         if cost is None:
-            from . import calibration
             cost = calibration.calibrate(device, op_seconds=op_seconds)
         peak = self.peak_bytes
         device = torch.device(device)
@@ -339,33 +296,6 @@ def _exact_selectors(exact, compress) -> tuple:
                                  f"where compress='fp8' packs the others; without compress every value goes to the "
                                  f"host exact. Pass compress='fp8', or drop exact=.")
     return sels
-
-
-_DECLARED: dict[str, ModelPlan] = {}  # plan key -> the plan a backend of this process was built with
-
-
-def declared_plan(key: str) -> "ModelPlan | None":
-    """The model plan a backend of this process was built with, by its key (what its compiled graphs' stash ops
-    name): the runtime makes the plan's state from it at its first stash, cached graphs' included."""
-    return _DECLARED.get(key)
-
-
-_RESOLVED: dict[ModelPlan, ModelPlan] = {}  # a plan as given -> as the backend resolved it
-
-
-def declare(plan: ModelPlan, given: ModelPlan | None = None) -> ModelPlan:
-    """Make a resolved model plan known to this process's runtime (by its key), before any graph runs;
-    ``given``: the plan it was resolved from, which the runtime's readers then accept in its place."""
-    _DECLARED.setdefault(plan.key, plan)
-    if given is not None:
-        _RESOLVED[given] = plan
-    return plan
-
-
-def resolved_plan(plan: ModelPlan) -> ModelPlan | None:
-    """``plan`` as a backend of this process resolved it (itself when it leaves nothing open), or None before
-    any has."""
-    return plan if plan.resolved else _RESOLVED.get(plan)
 
 
 def as_plan(plan) -> Plan | ModelPlan | None:

@@ -11,7 +11,8 @@ Its parts, one job each:
 - :mod:`.feeder`: offload copies fed to their copy stream a few chunks at a time, from a thread;
 - :mod:`.stash`: a model plan's values behind handles, and the regions of a step;
 - :mod:`.placement`: where a step's values wait (pure functions: sizes in, placements out);
-- :mod:`.plan_state`: one model plan's state across steps; :mod:`.timeline` one step as it ran;
+- :mod:`.plan_state`: one model plan's state across steps; :mod:`.timeline` one step as it ran; :mod:`.plans`
+  the model plans this process's backends declared, by key;
 - :mod:`.clocks`: side streams, timed copies, clock marks; :mod:`.counters`: the counters;
 - :mod:`.runtime`: the process's :class:`~.runtime.Runtime` (lock, pool, devices, plans) the ops call;
 - :mod:`.step_report` and :mod:`.api`: what users read and set (re-exported here).

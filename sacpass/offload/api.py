@@ -5,6 +5,7 @@ import torch
 
 from ..errors import OffloadError
 from .clocks import device_key
+from .plans import declared_plan, resolved_plan
 from .step_report import budget_of, format_rows, placement_rows
 from .runtime import AUTO, process_runtime
 from .counters import OffloadStats
@@ -90,7 +91,6 @@ def release_host_memory() -> int:
 
 def _key(plan) -> str:
     """The runtime's key of ``plan``, as given or as its backend resolved it."""
-    from ..plan import resolved_plan
     resolved = resolved_plan(plan)
     if resolved is None:
         raise OffloadError(f"sacpass: {plan!r} has not been compiled yet (a ModelPlan with no layers= or cost= is "
@@ -132,7 +132,6 @@ def device_budget(plan) -> dict:
     the last step read; empty where none was),
     ``step_ms`` ({device budget: the fastest step measured at it, in its regions' forwards and backwards}) and
     ``held_at`` (the budget the plan holds at because a larger one measured no faster, or None)."""
-    from ..plan import declared_plan
     if declared_plan(_key(plan)) is None:
         raise OffloadError(f"sacpass: {plan!r} is not registered: build a backend with it (sacpass.backend(plan="
                            f"...)) before asking for its device budget.")

@@ -20,6 +20,7 @@ from ..errors import OffloadError, SacpassWarning
 from ..host import process_host_budget
 from .clocks import SideStreams, device_key
 from .plan_state import PlanState
+from .plans import declared_plan
 from .pool import HostMemory
 from .stash import Stashes
 from .counters import OffloadStats
@@ -100,8 +101,7 @@ class Runtime:
 
     def plan_state(self, key: str) -> PlanState:
         """The run-time state of the :class:`~sacpass.ModelPlan` of ``key`` (one per key: equal plans share it),
-        made from the plan declared in this process (:func:`sacpass.plan.declared_plan`)."""
-        from ..plan import declared_plan
+        made from the plan declared in this process (:func:`.plans.declared_plan`)."""
         with self.lock:
             state = self.plans.get(key)
             if state is None:

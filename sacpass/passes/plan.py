@@ -10,7 +10,7 @@ backward node reads (directly or through a view), and that no policy selector ta
 Candidates are the *heavy* nodes (matrix ops, custom ops) the backward's reads lead back to through cheap
 ops: what no activation checkpointing saves too; the cheap ops between are recomputed from them.
 How: each candidate costs ``recompute_ms`` (its own op plus an equal share of the cheap region ops only
-candidates need, from the :class:`~sacpass.plan.CostModel`) and ``bytes``. Greedily by recompute time per
+candidates need, from the :class:`~sacpass.calibration.CostModel`) and ``bytes``. Greedily by recompute time per
 byte, a candidate is kept on the device while the device budget lasts, else offloaded while the host budget
 and the copy window (``hide`` x the layer's estimated forward time, at the copy bandwidth) last and it is at
 least ``min_offload_bytes``, else recomputed. With ``memory_budget=f`` too, the device budget is f times all
