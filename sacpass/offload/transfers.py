@@ -13,9 +13,10 @@
   the host is still being fed (the copy engine behind the forward, at its last layers) comes back as the device
   value, copied on the device (:func:`unfinished_source`): no wait for both copies.
 - The copies out trail the forward by at most one bundle's bytes (:class:`CopiesOut`): a value whose copy to the
-  host has not finished holds its device memory (the allocator hands it out again only after the copy) though
-  PyTorch no longer counts it as allocated; where a forward's copies run longer than its compute, that backlog
-  would grow layer by layer and reach the loss, whose large temporaries then take new memory beside it.
+  host has not finished keeps its device memory (the feeder holds it until its last chunk is queued, and the
+  allocator hands the memory out again only once the copy has finished); where a forward's copies run longer
+  than its compute, that backlog would grow layer by layer and reach the loss, whose large temporaries then take
+  new segments beside it, which the caching allocator keeps.
 
 Lifetimes: a bundle lives as long as one of its host tensors does; a reloaded copy the backward read is the
 backward's (its compute stream waited for the copy, so its memory is reused in that stream's order at once); a
@@ -138,9 +139,9 @@ def unfinished_source(entry: Entry, device: torch.device) -> Tensor | None:
 class CopiesOut:
     """One device's copies to the host not known to have finished, oldest first, and their bytes.
 
-    Their sources' memory is in neither of PyTorch's counts that matter: not allocated (the forward let the values
-    go) and not free (the allocator hands it out again only once the copy has finished). :meth:`make_room` keeps
-    it within a limit by waiting, on the host, for the oldest copies: the allocator then sees them finished and
+    Their sources' memory is not free: the feeder holds a value until its copy's last chunk is queued, and the
+    allocator hands its memory out again only once the copy has finished. :meth:`make_room` keeps those bytes
+    within a limit by waiting, on the host, for the oldest copies: the allocator then sees them finished and
     reuses their memory, and the forward goes on at the copy engine's pace."""
 
     def __init__(self) -> None:
