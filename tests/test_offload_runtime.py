@@ -480,3 +480,12 @@ def test_the_copies_out_wait_for_the_oldest_until_the_new_bytes_fit():
     out.add(_Copy("e", waits, False), 3)
     assert out.make_room(5, 9) == 2 and waits == ["b", "c", "d"] and out.nbytes == 3  # 3 + 5 fits only now
     assert out.make_room(20, 9) == 1 and waits == ["b", "c", "d", "e"] and out.nbytes == 0
+
+    class _Failed(_Copy):
+        def synchronize(self) -> None:
+            raise sacpass.OffloadError("sacpass: an offload copy failed on its copy stream")
+
+    out.add(_Failed("f", waits), 4)
+    with pytest.raises(sacpass.OffloadError, match="copy failed"):  # the copy's error reaches the forward
+        out.make_room(8, 9)
+    assert out.nbytes == 0 and not out.copies

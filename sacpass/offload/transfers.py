@@ -161,9 +161,9 @@ class CopiesOut:
         waited = 0
         while self.copies and self.nbytes + nbytes > limit:
             done, n = self.copies.popleft()
-            done.synchronize()
             self.nbytes -= n
             waited += 1
+            done.synchronize()  # a copy that failed raises here (its value is lost): the count stays right
         return waited
 
 
