@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import ops  # noqa: F401  (registers torch.ops.glm52.*)
 from .config import GLM52Config
-from .mtp import MTPLayer, cross_entropy, mtp_labels, mtp_loss
+from .loss import head_loss
+from .mtp import MTPLayer, mtp_labels, mtp_loss
 from .ops.dsa_topk import quantize_indexer
 from .ops.fp8 import fp8_linear
 
@@ -345,11 +346,11 @@ class GLM52ForCausalLM(nn.Module):
         topk_ids = None
         for layer in self.layers:
             x, topk_ids = layer(x, positions, starts, ends, topk_ids)
-        logits = self.head(self.norm(x)).float()                                 # [T, vocab]
+        h = self.norm(x)
         if labels is None:
-            return logits.view(*input_ids.shape, -1)
+            return self.head(h).float().view(*input_ids.shape, -1)                # [..., vocab]
         labels = labels.reshape(-1)
-        loss = cross_entropy(logits, labels, num_labels)
+        loss = head_loss(h, self.head.weight, labels, num_labels)                # head + cross-entropy, by chunks
         if self.mtp:
             if mtp_targets is None and seq_end is None:
                 raise ValueError("GLM52ForCausalLM: with positions/starts/ends pass mtp_targets too (they look "

@@ -1,6 +1,5 @@
 """Multi-token prediction (depth 1): predict token t+2 at position t from the main model's hidden state
 and the embedding of token t+1, through one more decoder layer that reuses the last main layer's IDs.
-Also the token cross-entropy both losses use.
 
 The MTP layer is built by ``GLM52ForCausalLM`` from the model's own pieces (``model.mtp_layer``), so this
 module needs nothing from ``model.py``.
@@ -8,10 +7,11 @@ module needs nothing from ``model.py``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MTPLayer", "mtp_labels", "mtp_loss", "cross_entropy"]
+from .loss import head_loss
+
+__all__ = ["MTPLayer", "mtp_labels", "mtp_loss"]
 
 
 class MTPLayer(nn.Module):
@@ -38,18 +38,10 @@ def mtp_labels(labels: Tensor, seq_end: Tensor) -> Tensor:
     return torch.where(keep, shifted, -100)
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, count: int | None = None) -> Tensor:
-    """Token cross-entropy, -100 ignored: the mean over valid targets, or the sum divided by ``count`` (the
-    valid targets of a whole parallel batch, so that the ranks' shares add up to its mean)."""
-    if count is None:
-        return F.cross_entropy(logits, targets, ignore_index=-100)
-    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / count
-
-
 def mtp_loss(model, hidden: Tensor, labels: Tensor, targets: Tensor, positions: Tensor, starts: Tensor,
              ends: Tensor, topk_ids: Tensor, count: int | None = None) -> Tensor:
     """Mean over MTP depths of the cross-entropy of each MTP layer's prediction (``targets``: mtp_labels)."""
     next_embeds = model.embed(labels.clamp_min(0))                               # token t+1 at position t
-    losses = [cross_entropy(model.head(layer(hidden, next_embeds, positions, starts, ends, topk_ids)).float(),
-                            targets, count) for layer in model.mtp]
+    losses = [head_loss(layer(hidden, next_embeds, positions, starts, ends, topk_ids), model.head.weight, targets,
+                        count) for layer in model.mtp]
     return torch.stack(losses).mean()
