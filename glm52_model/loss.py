@@ -44,7 +44,7 @@ class _HeadLoss(torch.autograd.Function):
             if grads:
                 g = logits.sub_(lse.unsqueeze(1)).exp_()                        # softmax, in place of the logits
                 g.scatter_add_(1, t.clamp_min(0).unsqueeze(1), -valid.to(g.dtype).unsqueeze(1))
-                g.mul_((valid.to(g.dtype) / denominator).unsqueeze(1)).nan_to_num_(nan=0.0)
+                g.mul_(torch.where(valid, 1.0 / denominator, 0.0).unsqueeze(1))  # ignored rows: no gradient
                 g = g.to(hidden.dtype)
                 grad_hidden[start:start + rows] = g @ weight
                 grad_weight += (g.t() @ h).float()
