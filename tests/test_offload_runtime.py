@@ -13,6 +13,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sacpass
 import sacpass.offload as rt
@@ -489,3 +491,35 @@ def test_the_copies_out_wait_for_the_oldest_until_the_new_bytes_fit():
     with pytest.raises(sacpass.OffloadError, match="copy failed"):  # the copy's error reaches the forward
         out.make_room(8, 9)
     assert out.nbytes == 0 and not out.copies
+
+
+
+class _Checked(_Copy):
+    """A copy that fails the test if it is waited for once finished."""
+
+    def synchronize(self) -> None:
+        assert not self.done, f"copy {self.name} waited for after it had finished"
+        super().synchronize()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 50), st.booleans()), max_size=30), st.integers(1, 120))
+def test_the_copies_out_stay_within_the_limit_waiting_for_the_oldest_and_no_more(offloads, limit):
+    """Over any run of offloads (its bytes, whether its copy finishes before the next offload): after each
+    wait the bytes still to copy and the new value's fit the limit, or nothing is left to wait for; the copies
+    waited for are unfinished ones, oldest first, each once; and the wait stops as soon as the value fits (the
+    last copy waited for, had it not been, would not have left room)."""
+    waits: list = []
+    out = CopiesOut()
+    for i, (nbytes, finishes) in enumerate(offloads):
+        sizes = {c.name: n for c, n in out.copies}
+        before = len(waits)
+        out.make_room(nbytes, limit)
+        assert out.nbytes == sum(n for _, n in out.copies)
+        assert out.nbytes + nbytes <= limit or not out.copies
+        if len(waits) > before:
+            assert out.nbytes + sizes[waits[-1]] + nbytes > limit  # no more than it had to
+        copy = _Checked(str(i), waits)
+        out.add(copy, nbytes)
+        copy.done = finishes
+    assert [int(w) for w in waits] == sorted(int(w) for w in set(waits))  # oldest first, each once

@@ -156,8 +156,8 @@ class CopiesOut:
         """Let the finished copies go, then wait for the oldest ones until ``nbytes`` more fit within ``limit``
         (a value larger than the limit waits for every copy before it, then goes alone); returns how many copies
         were waited for."""
-        while self.copies and self.copies[0][0].query():
-            self.nbytes -= self.copies.popleft()[1]
+        self.copies = collections.deque((done, n) for done, n in self.copies if not done.query())
+        self.nbytes = sum(n for _, n in self.copies)
         waited = 0
         while self.copies and self.nbytes + nbytes > limit:
             done, n = self.copies.popleft()
