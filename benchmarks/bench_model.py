@@ -572,6 +572,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
                        "reloads_not_prefetched_per_step": st.waited_reloads / args.steps,
                        "device_copied_gib_per_step": st.device_copied_bytes / args.steps / 2 ** 30,
                        "copy_out_waits_per_step": st.copy_out_waits / args.steps,
+                       "copy_out_wait_ms_per_step": st.copy_out_wait_ms / args.steps,
                        "largest_reload_gib": st.largest_reload_bytes / 2 ** 30,
                        "peak_host_gib": st.peak_host_bytes / 2 ** 30,
                        "peak_pool_held_gib": st.peak_host_bytes_held / 2 ** 30,

@@ -18,6 +18,7 @@ class OffloadStats:
     #                               the device instead (not in reloaded_bytes)
     copy_out_waits: int = 0  # copies out the forward waited for (on the host) before offloading more: it ran more
     #                          than one bundle's bytes ahead of the copy engine
+    copy_out_wait_ms: float = 0.0  # the host time those waits took (what they held the forward back, at most)
     largest_reload_bytes: int = 0  # the largest single copy back (a prefetch limit below it copies it alone)
     dropped_prefetch_bytes: int = 0  # prefetched, but no backward consumed them: freed when that backward ended
     bundles: int = 0  # bundles opened (forward executions that offloaded)
@@ -40,7 +41,8 @@ class OffloadStats:
                 f"{self.dropped_prefetch_bytes / gib:.3f} GiB prefetched unused"
                 + (f", {self.device_copied_bytes / gib:.3f} GiB copied on the device, their copy out unfinished"
                    if self.device_copied_bytes else "")
-                + (f", the forward waited for {self.copy_out_waits} copies out" if self.copy_out_waits else "")
+                + (f", the forward waited for {self.copy_out_waits} copies out ({self.copy_out_wait_ms:.1f} ms)"
+                   if self.copy_out_waits else "")
                 + "); host pool: "
                 f"{self.host_bytes_alive / gib:.3f} GiB in use of {self.host_bytes_held / gib:.3f} GiB held "
                 f"(peaks {self.peak_host_bytes / gib:.3f} / {self.peak_host_bytes_held / gib:.3f}); "

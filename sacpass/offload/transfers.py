@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -213,7 +214,11 @@ class Transfers:
         if on_cuda:
             # at most one bundle's bytes (one layer's offloads, the largest yet) still to copy out: the copies of
             # the layer before may run under this one's forward, no further
-            self.stats.copy_out_waits += state.copies_out.make_room(nbytes, state.largest_bundle)
+            began = time.perf_counter()
+            waited = state.copies_out.make_room(nbytes, state.largest_bundle)
+            if waited:
+                self.stats.copy_out_waits += waited
+                self.stats.copy_out_wait_ms += (time.perf_counter() - began) * 1e3
             streams = state.streams
             # x's memory is handed out again only after the copy: free once the forward drops x and the feeder
             # has queued the copy's last chunk

@@ -348,7 +348,7 @@ def test_the_copies_out_trail_the_forward_by_one_bundle_at_most(monkeypatch):
             del x
     assert state.largest_bundle == 3 * value
     st = offload_runtime.stats()
-    assert st.copy_out_waits >= 3 and "the forward waited for" in st.format(), st.format()
+    assert st.copy_out_waits >= 3 and st.copy_out_wait_ms > 0 and "the forward waited for" in st.format(), st.format()
     grown = torch.cuda.max_memory_reserved() - reserved
     assert grown <= 3 * value + 2 * value, (grown / 2 ** 30, st.format())  # without the wait: 12 values
     offload_runtime.synchronize()
