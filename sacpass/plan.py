@@ -76,8 +76,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not _count(self.gpu_bytes, 0):
-            raise BackendOptionError(f"sacpass: Plan(gpu_bytes={self.gpu_bytes!r}) is invalid; gpu_bytes must be an int "
-                                     f">= 0 (device bytes per layer).")
+            raise BackendOptionError(f"sacpass: Plan(gpu_bytes={self.gpu_bytes!r}) is invalid; gpu_bytes must be an "
+                                     f"int >= 0 (device bytes per layer).")
         if not _count(self.layers, 1):
             raise BackendOptionError(f"sacpass: Plan(layers={self.layers!r}) is invalid; layers must be an int >= 1.")
         _check_shared("Plan", "per layer", self.host_bytes, self.hide, self.min_offload_bytes)
@@ -185,8 +185,7 @@ class ModelPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exact", _exact_selectors(self.exact, self.compress))
-        if self.peak_bytes is not None and (isinstance(self.peak_bytes, bool) or not isinstance(self.peak_bytes, int)
-                                            or self.peak_bytes <= 0):
+        if self.peak_bytes is not None and not _count(self.peak_bytes, 1):
             raise BackendOptionError(f"sacpass: ModelPlan(peak_bytes={self.peak_bytes!r}) must be None (the GPU's "
                                      f"memory less a margin, or no cap with gpu_bytes given) or an int > 0: the "
                                      f"device memory the step may peak at, e.g. full recompute's "
@@ -198,13 +197,11 @@ class ModelPlan:
         if not isinstance(self.inputs, bool):
             raise BackendOptionError(f"sacpass: ModelPlan(inputs={self.inputs!r}) must be True (place the regions' "
                                      f"activation inputs too) or False (keep them on the device).")
-        if self.layers is not None and (isinstance(self.layers, bool) or not isinstance(self.layers, int)
-                                        or self.layers < 1):
+        if self.layers is not None and not _count(self.layers, 1):
             raise BackendOptionError(f"sacpass: ModelPlan(layers={self.layers!r}) is invalid; pass the number of "
                                      f"checkpointed regions one step runs (e.g. len(model.layers)), an int >= 1, or "
                                      f"None to have the plan count them in the first step.")
-        if self.gpu_bytes is not None and (isinstance(self.gpu_bytes, bool) or not isinstance(self.gpu_bytes, int)
-                                           or self.gpu_bytes < 0):
+        if self.gpu_bytes is not None and not _count(self.gpu_bytes, 0):
             raise BackendOptionError(f"sacpass: ModelPlan(gpu_bytes={self.gpu_bytes!r}) is invalid; gpu_bytes must be "
                                      f"an int >= 0 (device bytes, all regions together), or None to follow the "
                                      f"measured peak.")

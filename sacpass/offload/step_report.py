@@ -49,8 +49,8 @@ def placement_rows(states: list[PlanState]) -> list[dict]:
 
 def budget_of(state: PlanState) -> dict:
     return {"gpu_bytes": state.gpu_bytes, "device_budget": state.device_budget, "peak_bytes": state.peak_bytes,
-            "peak_read": state.peak_read, "peak_at_backward": dict(state.last_timeline.peak_at_backward), "held_at": state.held,
-            "step_ms": dict(sorted(state.step_ms.items())),
+            "peak_read": state.peak_read, "peak_at_backward": dict(state.last_timeline.peak_at_backward),
+            "held_at": state.held, "step_ms": dict(sorted(state.step_ms.items())),
             "step_samples": dict(sorted(state.step_samples.items())), "doubt": state.doubt}
 
 
