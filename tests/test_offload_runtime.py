@@ -468,30 +468,70 @@ class _Copy:
         self.done = True
 
 
+def _make_room(out: CopiesOut, nbytes: int, limit: int) -> int:
+    due = out.due(nbytes, limit)
+    for done in due:
+        done.synchronize()
+    return len(due)
+
+
 def test_the_copies_out_wait_for_the_oldest_until_the_new_bytes_fit():
     """A forward that runs ahead of its copies to the host waits for the oldest, in order and no more than it
     must, so that the bytes still to copy stay within the limit; copies already finished go without a wait; a
     value larger than the limit waits for every copy before it and then goes alone."""
     waits: list = []
     out = CopiesOut()
-    assert out.make_room(10, 4) == 0 and out.nbytes == 0  # nothing queued: a large value goes at once
+    assert _make_room(out, 10, 4) == 0 and out.nbytes == 0  # nothing queued: a large value goes at once
     for name, n, done in [("a", 3, True), ("b", 3, False), ("c", 3, False), ("d", 3, False)]:
         out.add(_Copy(name, waits, done), n)
-    assert out.make_room(3, 9) == 1 and waits == ["b"] and out.nbytes == 6  # a finished; b waited; c, d left
-    assert out.make_room(3, 9) == 0 and out.nbytes == 6  # 6 + 3 fits
+    assert _make_room(out, 3, 9) == 1 and waits == ["b"] and out.nbytes == 6  # a finished; b waited; c, d left
+    assert _make_room(out, 3, 9) == 0 and out.nbytes == 6  # 6 + 3 fits
     out.add(_Copy("e", waits, False), 3)
-    assert out.make_room(5, 9) == 2 and waits == ["b", "c", "d"] and out.nbytes == 3  # 3 + 5 fits only now
-    assert out.make_room(20, 9) == 1 and waits == ["b", "c", "d", "e"] and out.nbytes == 0
+    assert _make_room(out, 5, 9) == 2 and waits == ["b", "c", "d"] and out.nbytes == 3  # 3 + 5 fits only now
+    assert _make_room(out, 20, 9) == 1 and waits == ["b", "c", "d", "e"] and out.nbytes == 0
+
+
+def test_the_copies_out_are_waited_for_with_the_runtime_s_lock_released(monkeypatch):
+    """An offload that must wait for copies out queues its own first and waits after its op, outside the
+    runtime's lock: another thread's op goes on meanwhile (a pipeline schedule's stages in threads); the wait is
+    counted, and a copy that failed raises to the offloading thread with the count right."""
+    other_ran = threading.Event()
+
+    def other_op():  # another thread's op: it takes the runtime's lock
+        if RT.lock.acquire(timeout=5):
+            RT.lock.release()
+            other_ran.set()
+
+    class _Blocking(_Copy):
+        def synchronize(self) -> None:
+            helper = threading.Thread(target=other_op)
+            helper.start()
+            helper.join(10)
+            super().synchronize()
+
+    original = RT.transfers.to_host
+
+    def to_host(x, index, timing=None):  # a CPU offload found one copy out due, as a CUDA one past the bound does
+        host = original(x, index, timing)
+        RT.transfers.copies_due.setdefault(threading.get_ident(), []).append(_Blocking("a", waits))
+        return host
+
+    waits: list = []
+    rt.reset_stats()
+    monkeypatch.setattr(RT.transfers, "to_host", to_host)
+    host = RT.offload(torch.ones(4), 0)
+    assert waits == ["a"] and other_ran.is_set()
+    assert rt.stats().copy_out_waits == 1 and not RT.transfers.copies_due
 
     class _Failed(_Copy):
         def synchronize(self) -> None:
             raise sacpass.OffloadError("sacpass: an offload copy failed on its copy stream")
 
-    out.add(_Failed("f", waits), 4)
+    RT.transfers.copies_due[threading.get_ident()] = [_Failed("f", waits)]
     with pytest.raises(sacpass.OffloadError, match="copy failed"):  # the copy's error reaches the forward
-        out.make_room(8, 9)
-    assert out.nbytes == 0 and not out.copies
-
+        RT.transfers.wait_copies_out()
+    assert rt.stats().copy_out_waits == 2 and not RT.transfers.copies_due
+    del host
 
 
 class _Checked(_Copy):
@@ -514,7 +554,7 @@ def test_the_copies_out_stay_within_the_limit_waiting_for_the_oldest_and_no_more
     for i, (nbytes, finishes) in enumerate(offloads):
         sizes = {c.name: n for c, n in out.copies}
         before = len(waits)
-        out.make_room(nbytes, limit)
+        _make_room(out, nbytes, limit)
         assert out.nbytes == sum(n for _, n in out.copies)
         assert out.nbytes + nbytes <= limit or not out.copies
         if len(waits) > before:

@@ -124,6 +124,7 @@ class Runtime:
         with self.lock:
             self.settle()
             host = self.transfers.to_host(x, index)
+        self.transfers.wait_copies_out()
         return host
 
     def reload(self, host: Tensor, device: torch.device) -> Tensor:
@@ -145,6 +146,7 @@ class Runtime:
             self.settle()
             plan = self.plan_state(plan_key)
             handle = self.stashes.stash(x, index, plan, pack, forward_ms, backward_ms)
+        self.transfers.wait_copies_out()
         self.give_warnings()  # after the handle: an error raised here drops it, and the stashed value with it
         return handle
 

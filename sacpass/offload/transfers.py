@@ -141,9 +141,9 @@ class CopiesOut:
     """One device's copies to the host not known to have finished, oldest first, and their bytes.
 
     Their sources' memory is not free: the feeder holds a value until its copy's last chunk is queued, and the
-    allocator hands its memory out again only once the copy has finished. :meth:`make_room` keeps those bytes
-    within a limit by waiting, on the host, for the oldest copies: the allocator then sees them finished and
-    reuses their memory, and the forward goes on at the copy engine's pace."""
+    allocator hands its memory out again only once the copy has finished. :meth:`due` keeps those bytes within
+    a limit by naming the oldest copies for the offloading thread to wait for, on the host: the allocator then
+    sees them finished and reuses their memory, and the forward goes on at the copy engine's pace."""
 
     def __init__(self) -> None:
         self.copies: collections.deque = collections.deque()  # (completion, bytes)
@@ -153,19 +153,18 @@ class CopiesOut:
         self.copies.append((done, nbytes))
         self.nbytes += nbytes
 
-    def make_room(self, nbytes: int, limit: int) -> int:
-        """Let the finished copies go, then wait for the oldest ones until ``nbytes`` more fit within ``limit``
-        (a value larger than the limit waits for every copy before it, then goes alone); returns how many copies
-        were waited for."""
+    def due(self, nbytes: int, limit: int) -> list:
+        """Let the finished copies go, then take the oldest ones off until ``nbytes`` more fit within ``limit``
+        (a value larger than the limit takes every copy before it, then goes alone): the copies to wait for,
+        oldest first. The caller waits for them outside the runtime's lock (:meth:`Transfers.wait_copies_out`)."""
         self.copies = collections.deque((done, n) for done, n in self.copies if not done.query())
         self.nbytes = sum(n for _, n in self.copies)
-        waited = 0
+        due = []
         while self.copies and self.nbytes + nbytes > limit:
             done, n = self.copies.popleft()
             self.nbytes -= n
-            waited += 1
-            done.synchronize()  # a copy that failed raises here (its value is lost): the count stays right
-        return waited
+            due.append(done)
+        return due
 
 
 class Transfers:
@@ -187,6 +186,7 @@ class Transfers:
         self.read_orders = ReadOrders()
         self.live: "weakref.WeakSet[Bundle]" = weakref.WeakSet()
         self.warned_limits: set[int] = set()  # prefetch limits a larger reload has been warned of
+        self.copies_due: dict[int, list] = {}  # thread -> copies out its last offload must wait for, unlocked
 
     # ------------------------------------------------------------------------------------------ forward
     def to_host(self, x: Tensor, index: int, timing: "dict[str, list] | None" = None) -> Tensor:
@@ -214,11 +214,9 @@ class Transfers:
         if on_cuda:
             # at most one bundle's bytes (one layer's offloads, the largest yet) still to copy out: the copies of
             # the layer before may run under this one's forward, no further
-            began = time.perf_counter()
-            waited = state.copies_out.make_room(nbytes, state.largest_bundle)
-            if waited:
-                self.stats.copy_out_waits += waited
-                self.stats.copy_out_wait_ms += (time.perf_counter() - began) * 1e3
+            due = state.copies_out.due(nbytes, state.largest_bundle)
+            if due:
+                self.copies_due.setdefault(threading.get_ident(), []).extend(due)
             streams = state.streams
             # x's memory is handed out again only after the copy: free once the forward drops x and the feeder
             # has queued the copy's last chunk
@@ -230,6 +228,23 @@ class Transfers:
         else:
             timed_copy("d2h", host, x, timing)
         return host
+
+    def wait_copies_out(self) -> None:
+        """Wait for the copies out that this thread's offloads found due (:meth:`CopiesOut.due`), with the
+        runtime's lock released: other threads' offloads and reloads go on meanwhile. Called after the op that
+        queued its own copy; a copy that failed raises here (its value is lost)."""
+        due = self.copies_due.pop(threading.get_ident(), None)
+        if not due:
+            return
+        began, waited = time.perf_counter(), 0
+        try:
+            for done in due:
+                waited += 1
+                done.synchronize()
+        finally:
+            with self.lock:
+                self.stats.copy_out_waits += waited
+                self.stats.copy_out_wait_ms += (time.perf_counter() - began) * 1e3
 
     def _open_bundle(self, device: torch.device, index: int) -> Bundle:
         state = self.devices(device_key(device))
