@@ -28,8 +28,10 @@ from torch.utils._pytree import tree_leaves
 
 from .nodes import size_hint
 from .offload.clocks import clock, elapsed_ms
+
 __all__ = ["CostModel", "calibrate", "op_signature", "is_heavy", "OpTimer", "CalibrationStore", "device_name",
            "BENCHMARKS"]
+
 
 @dataclass(frozen=True)
 class CostModel:
