@@ -104,7 +104,8 @@ class ModelPlan:
 
     - at compile time, per graph: what is worth keeping at all (the rest is recomputed), greedily by recompute
       time per byte while ``layers`` regions' worth fits ``host_bytes + gpu_bytes`` and the copy window
-      (``hide`` x the region's estimated forward at the copy rate); these values go through
+      (``hide`` x the region's estimated forward at the copy rate, less the copies of the activation inputs it
+      places, see ``inputs``); these values go through
       ``sacpass::stash`` / ``sacpass::unstash``;
     - at run time, per value and region: keep it on the device or copy it to the host pool. The regions are
       numbered by their order in the step (the n-th forward since the last backward). From the last region

@@ -827,3 +827,23 @@ def test_copy_time_sums_seconds_and_finished_events_and_waits_for_running_ones()
     assert clocks.elapsed_ms(1.0, 1.25) == pytest.approx(250.0)  # a region's backward: two clock marks
     assert clocks.elapsed_ms(Event(True), Event(True, 7.0)) == 7.0
     assert clocks.elapsed_ms(Event(True), Event(False)) is None and clocks.elapsed_ms(1.0, None) is None
+
+
+def test_the_placed_inputs_share_the_copy_window():
+    """A region's activation inputs go to the host in the same window as its planned values (hide x its
+    estimated forward at the copy rate), so they come out of that window: over copy rates from one where nothing
+    fits to one where everything does, a plan that places its inputs offloads no more of its values than one that
+    keeps them on the device, and where the window is tight, less."""
+    def offloaded(rate, inputs):
+        cost = sacpass.CostModel(copy_bytes_per_s=rate)
+        torch._dynamo.reset()  # a compile per plan
+        with no_compile_caches():
+            be = sacpass.backend(inner="aot_eager", plan=_plan(0, 1 << 30, cost=cost, inputs=inputs))
+            stack_step(CompiledStack(be, LAYERS, 0), _x())
+        return sum(d.bytes for d in be.reports[0].decisions if d.op != "input" and d.action == "offload")
+
+    rates = [2.0 ** k for k in range(4, 34, 3)]
+    pairs = [(offloaded(r, True), offloaded(r, False)) for r in rates]
+    assert pairs[0] == (0, 0) and pairs[-1][0] == pairs[-1][1] > 0, pairs  # nothing fits / everything does
+    assert all(placed <= kept for placed, kept in pairs), pairs
+    assert any(placed < kept for placed, kept in pairs), pairs

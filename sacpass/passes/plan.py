@@ -318,20 +318,22 @@ def _host_cost(values: list[torch.fx.Node], compress: bool) -> tuple[int, int]:
     return pooled, copied
 
 
-def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: bool) -> tuple[list[Decision], int]:
-    """The activation inputs a model plan places (the offload pass stashes them): one Decision each, and the
-    pool bytes they take on the host."""
+def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: bool
+                     ) -> tuple[list[Decision], int, int]:
+    """The activation inputs a model plan places (the offload pass stashes them): one Decision each, the pool
+    bytes they take on the host and the bytes their copies move (in the region's copy window, like the rest)."""
     by_name = {n.name: n for n in graph.find_nodes(op="placeholder")}
-    out, pooled = [], 0
+    out, pooled, moved = [], 0, 0
     for name in inputs:
         nbytes = tensor_nbytes(by_name[name].meta["val"])
         on_host, copied = _host_cost([by_name[name]], compress)
         pooled += on_host
+        moved += copied
         out.append(Decision(name=name, op="input", module="", bytes=nbytes, action="offload", recompute_ms=0.0,
                             copy_ms=1e3 * cost.copy_seconds(copied),
                             why="a region input: the model plan places it (device or host) per region"
                             + (f"; on the host FP8-packed ({copied} bytes, lossy)" if copied < nbytes else "")))
-    return out, pooled
+    return out, pooled, moved
 
 
 @dataclass(frozen=True)
@@ -444,11 +446,12 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
              "the compiled function to plan them.")
         return ()
     placed_inputs: list[Decision] = []
+    inputs_copied = 0
     compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
     exact = plan.exact if isinstance(plan, ModelPlan) else ()
     grads = _from_tangents(graph) if compress and exact is None else set()  # exact=None: the sensitive values
     if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
-        placed_inputs, on_host = _input_decisions(graph, inputs, plan.cost, compress)
+        placed_inputs, on_host, inputs_copied = _input_decisions(graph, inputs, plan.cost, compress)
         plan = plan.region_plan(on_host)
     backward = backward_part(graph)
     cost = plan.cost if plan is not None else CostModel()
@@ -459,7 +462,8 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
     host_left = plan.host_budget()
     _check_host_limit(plan)
     forward_s = sum(node_seconds(n, cost) for n in graph.nodes if n.op == "call_function" and n not in backward)
-    copy_left = plan.hide * forward_s * cost.copy_bytes_per_s
+    # the placed inputs go to the host in the same window (all regions but the last few, kept on the device)
+    copy_left = plan.hide * forward_s * cost.copy_bytes_per_s - inputs_copied
     keep_reason = PLAN
     decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
