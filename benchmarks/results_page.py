@@ -368,6 +368,19 @@ def r_model(e, plots):
                 row.append(f"**{cell}**" if got and got["peak_gib"] == top else cell)
             rows.append(row)
         out += table(["phase"] + [f"`{v}`" for v in names], rows)
+    grown = {v: [g for p in ph for g in p.get("segments_added", ())] for v, ph in phased.items()}
+    for v, segments in grown.items():
+        if not segments:
+            continue
+        out += [f"`{v}`, each segment of 1 MiB or more the caching allocator asked the driver for in that step "
+                "(`--segments`), GiB: the request that needed it, the frame that asked, and the allocator's state "
+                "just before: reserved, allocated, freed but awaiting another stream's work, free in its cache, "
+                "and the largest free block there.", ""]
+        out += table(["phase", "segment", "request", "asked by", "reserved", "allocated", "awaiting free",
+                      "cached free", "largest free"],
+                     [[g["phase"], f(g["segment_gib"]), f(g["request_gib"]), f"`{f(g['where'])}`", f(g["reserved_gib"]),
+                       f(g["allocated_gib"]), f(g["awaiting_free_gib"]), f(g["cached_free_gib"]),
+                       f(g["largest_free_gib"])] for g in segments])
     if e["meta"].get("plot") == "frontier":
         layer = [x for x in _ENTRIES if x["meta"].get("plot") == "frontier" and x["meta"]["kind"] == "layer"]
         name = "frontier_h200.png"

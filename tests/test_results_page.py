@@ -135,6 +135,27 @@ def test_a_model_variant_that_ran_out_of_memory_is_a_row_with_its_error():
     assert "1.00 / **10.00 (12.00)**" not in text and "**1.00 / 10.00 (12.00)**" in text  # the peak phase, reserved
 
 
+def test_the_segments_a_model_step_added_are_a_table_with_the_allocator_state_before_each():
+    page = _module()
+    seg = {"phase": "layer 1 backward", "segment_gib": 6.0, "request_gib": 6.0, "reserved_gib": 55.42,
+           "allocated_gib": 39.93, "awaiting_free_gib": 0.0, "cached_free_gib": 15.49, "largest_free_gib": 3.0,
+           "where": "fp8_grouped_mm.py:171:fp8_grouped_mm_bwd_kernel"}
+    phases = [{"phase": "layer 1 backward", "start_gib": 19.0, "peak_gib": 53.3, "reserved_peak_gib": 65.9,
+               "segments_added": [seg]},
+              {"phase": "layer 0 backward", "start_gib": 23.0, "peak_gib": 57.5, "reserved_peak_gib": 71.9,
+               "segments_added": []}]
+    entry = {"meta": {"kind": "model"}, "data": {"args": {"layers": 2, "seq": 1024, "steps": 1, "warmup": 1},
+                      "variants": {"model_plan_auto": {"step_ms_median": 3800.0, "memory_phases": phases}}}}
+    text = "\n".join(page.r_model(entry, []))
+    assert ("| layer 1 backward | 6.00 | 6.00 | `fp8_grouped_mm.py:171:fp8_grouped_mm_bwd_kernel` | 55.42 | 39.93 | "
+            "0.00 | 15.49 | 3.00 |") in text
+    assert text.count("| layer 0 backward |") == 1  # its phase row only: it added no segment
+    for m in entry["data"]["variants"].values():
+        for p in m["memory_phases"]:
+            del p["segments_added"]
+    assert "asked the driver for" not in "\n".join(page.r_model(entry, []))  # a step recorded without --segments
+
+
 def test_a_profiled_model_variant_shows_its_kernels_by_kind_and_its_copies():
     page = _module()
     profile = {"kernel_ms_by_kind": {"gemm": 1500.0, "sparse_mla": 2500.0}, "kernel_busy_ms": 3900.0,
