@@ -182,8 +182,8 @@ def test_parallel_ranks_losses_add_up_to_the_global_loss():
     torch.testing.assert_close(total, ref_loss, rtol=1e-6, atol=1e-6)
     got = _grads(model)
     assert got.keys() == ref.keys()
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
+    for n in ref:  # fp32 GEMMs over one sequence's rows and over both round apart by ~1e-7
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_rank_inputs_are_checked():

@@ -10,8 +10,14 @@ tile-wise FP8 recipe (:mod:`glm52_model.ops.fp8`, DeepSeek-V3: e4m3, amax scales
 * wgrad    ``dw[e] = x[g].T @ dy[g]``:  x and dy in 1x128 tiles along tokens. Each expert's rows are
   padded to a multiple of 128 first, so that no tile straddles two experts.
 
-    glm52::fp8_grouped_mm(Tensor x, Tensor w, Tensor offs) -> Tensor                 # y [R, N], x's dtype
-    glm52::fp8_grouped_mm_bwd(Tensor dy, Tensor x, Tensor w, Tensor offs) -> (Tensor dx, Tensor dw)
+    glm52::fp8_grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor? rows=None) -> Tensor   # y [R, N], x's dtype
+    glm52::fp8_grouped_mm_bwd(Tensor dy, Tensor x, Tensor w, Tensor offs, Tensor? rows=None) -> (Tensor dx, Tensor dw)
+
+With ``rows`` (``grouped_mm``'s gathered form: y's row i reads x's row rows[i]) the quantisers read x's rows
+where they are, so the [R, K] gathered copy of x never exists, in the forward or the backward; the dgrad's
+expert GEMMs add into a [T, K] fp32 sum, one ``index_add`` per expert, instead of writing an [R, K] dx that a
+sum over each token's rows reads back (at 64K tokens x top-8 x 6144: 1.5 GiB, then 0.75, where the rows took
+6 GiB).
 
 Quantisation happens inside the ops: their inputs and the tensors autograd keeps are ``grouped_mm``'s (x, w,
 offs), so swapping one op family for the other changes no saved set. Each op reads ``offs`` to the host once
@@ -34,7 +40,8 @@ from torch import Tensor
 
 from .fp8 import (BLOCK, FP8_DTYPE, blockwise_scaled_mm, dequantize, quantize_1x128, quantize_1x128_t,
                   quantize_128x128)
-from .grouped_mm import _check, group_slots, host_ints, register_grouped_family, slot_rows
+from .grouped_mm import (_check, group_slots, host_ints, out_rows, register_grouped_family, slot_rows, sum_into_rows,
+                         token_grad)
 
 __all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
            "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
@@ -135,11 +142,11 @@ def _expert_gemms(y: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor],
 
 
 def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS,
-                          gemm_rows: int = GEMM_ROWS) -> Tensor:
-    """y[g] = x[g] @ w[e]: x quantised in its own row order, one blockwise FP8 GEMM per expert on its rows
-    (``gemm_rows``: see :data:`GEMM_ROWS`, the op's)."""
-    _check(x, w, offs)
-    R, N = x.shape[0], w.shape[2]
+                          gemm_rows: int = GEMM_ROWS, rows: Tensor | None = None) -> Tensor:
+    """y[g] = x[g] @ w[e] (x[rows] with ``rows``): x quantised in y's row order, read where it is, one blockwise
+    FP8 GEMM per expert on its rows (``gemm_rows``: see :data:`GEMM_ROWS`, the op's)."""
+    _check(x, w, offs, rows)
+    R, N = out_rows(x, rows), w.shape[2]
     if R == 0 or w.shape[0] == 0:
         return x.new_zeros((R, N))
     ends = host_ints(offs)                                                       # the op's one host sync
@@ -147,8 +154,9 @@ def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers 
     y = x.new_empty((R, Np))                                                     # the GEMMs' width: in place
     y[end:].zero_()                                                              # rows of no expert
     if end:
-        rows = torch.arange(end, device=x.device)
-        xq, xs = quant.rows(x, rows, rows, end + gemm_rows - 1)                  # [end + pad, Kp], zero pad rows
+        dest = torch.arange(end, device=x.device)
+        src = dest if rows is None else rows[:end]
+        xq, xs = quant.rows(x, src, dest, end + gemm_rows - 1)                   # [end + pad, Kp], zero pad rows
         wq, ws = quant.blocks_t(w)                                               # [E, Np, Kp] blocks of w[e].T
         r0 = 0
         for e, r1 in enumerate(ends):
@@ -159,49 +167,63 @@ def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers 
 
 
 def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
-                              quant: Quantisers = TORCH_QUANTISERS) -> tuple[Tensor, Tensor]:
+                              quant: Quantisers = TORCH_QUANTISERS, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """dgrad with dy in 1x128 tiles along N and the weight blocks of w[e]; wgrad with x and dy in 1x128 tiles
-    along tokens, each expert's rows in 128-row slots so that no tile straddles two experts."""
-    _check(x, w, offs)
-    R, K = x.shape
+    along tokens, each expert's rows in 128-row slots so that no tile straddles two experts. With ``rows`` the
+    quantisers read x's rows where they are and each expert's dgrad adds into its tokens' rows of dx."""
+    _check(x, w, offs, rows)
+    R, K = dy.shape[0], x.shape[1]
     if R == 0 or w.shape[0] == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
     ends = host_ints(offs)                                                       # the op's one host sync
     slot_ends = _slot_ends(ends)                                                 # poffs on the host
-    dx, dw = torch.empty_like(x), torch.zeros_like(w)
-    dx[ends[-1]:].zero_()                                                        # rows of no expert
+    dw = torch.zeros_like(w)
+    if rows is None:
+        dx = torch.empty_like(x)
+        dx[ends[-1]:].zero_()                                                    # rows of no expert
+    else:
+        dx = token_grad(x)                                                       # [T, K], summed per token
     src, dest, poffs = group_slots(offs, R, BLOCK)
     dyq, dys = quant.rows(dy, src, dest, slot_ends[-1])                          # [Rp, Np]
     wq, ws = quant.blocks(w)                                                     # [E, Kp, Np] blocks of w[e]
-    xt = quant.cols(x, src, dest, poffs, slot_ends)                          # experts one after the other
+    xt = quant.cols(x, src if rows is None else rows[src], dest, poffs, slot_ends)  # experts one after the other
     dyt = quant.cols(dy, src, dest, poffs, slot_ends)
     N = dy.shape[1]
     for e, p0, p1, r0, r1 in _experts_with_rows(ends, slot_ends):
-        dx[r0:r1] = _mm((dyq[p0:p1], dys[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :K]
+        part = _mm((dyq[p0:p1], dys[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :K]
+        if rows is None:
+            dx[r0:r1] = part
+        else:
+            sum_into_rows(dx, rows, r0, r1, part)
         dw[e] = _mm(expert_cols(*xt, K, p0, p1), expert_cols(*dyt, N, p0, p1), w.dtype)
-    return dx, dw
+    return dx.to(x.dtype), dw
 
 
 # ---------------------------------------------------------------------------------------------- ops
 @torch.library.custom_op("glm52::fp8_grouped_mm", mutates_args=())
-def fp8_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """y[g] = x[g] @ w[e] per expert's row group, both operands tile-wise FP8, fp32 accumulation."""
-    return fp8_grouped_mm_kernel(x, w, offs)
+def fp8_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> Tensor:
+    """y[g] = x[g] @ w[e] per expert's row group (x[rows] with ``rows``), both operands tile-wise FP8, fp32
+    accumulation."""
+    return fp8_grouped_mm_kernel(x, w, offs, rows=rows)
 
 
 @torch.library.custom_op("glm52::fp8_grouped_mm_bwd", mutates_args=())
-def fp8_grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
-    """(dx[g] = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]) in FP8; experts with no rows get dw = 0."""
-    return fp8_grouped_mm_bwd_kernel(dy, x, w, offs)
+def fp8_grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
+                       rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(dx[g] = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]) in FP8; experts with no rows get dw = 0. With ``rows``,
+    dx [T, K] sums each token's rows."""
+    return fp8_grouped_mm_bwd_kernel(dy, x, w, offs, rows=rows)
 
 
 register_grouped_family("fp8_grouped_mm")                    # fakes, autograd, FLOPs: grouped_mm's
 
 
 # ---------------------------------------------------------------------------------------------- reference
-def ref_fp8_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """Fake-quant loop over experts in fp32 (the forward only): quantise x[g] in 1x128 tiles and w[e].T in
-    128x128 blocks, dequantise, matmul; rows past offs[-1] are 0."""
+def ref_fp8_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> Tensor:
+    """Fake-quant loop over experts in fp32 (the forward only): quantise x[g] (of x[rows] with ``rows``) in 1x128
+    tiles and w[e].T in 128x128 blocks, dequantise, matmul; rows past offs[-1] are 0."""
+    if rows is not None:
+        x = x[rows]
     K, N = x.shape[1], w.shape[2]
     y, start = x.new_zeros((x.shape[0], N), dtype=torch.float32), 0
     for e, end in enumerate(offs.tolist()):

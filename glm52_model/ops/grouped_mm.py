@@ -5,6 +5,11 @@ group, so the number of rows per expert is data, not shape: one compiled graph s
 
     x [R, K], w [E, K, N], offs [E] int32  ->  y [R, N],  y[g] = x[g] @ w[e] for group g of expert e
 
+With ``rows`` (int [R]), row i of y reads row ``rows[i]`` of x [T, K] (the routed experts: each token's row once
+per expert it picked, without materialising them): y[i] = x[rows[i]] @ w[e(i)], and dx [T, K] sums the gradients
+of every row that read a token, expert by expert (an ``index_add`` per expert: a token picks an expert at most
+once, so no two adds of one call land on one row and the sum has a fixed order).
+
 A custom op because ``aten._grouped_mm``'s meta function only accepts bf16 while the CPU tests run in
 fp32; its kernels call ``torch._grouped_mm`` (CPU: any float dtype; CUDA: bf16, offs int32).
 """
@@ -17,8 +22,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "host_ints", "ref_grouped_mm", "register_grouped_family",
-           "slot_rows"]
+__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "host_ints", "out_rows", "ref_grouped_mm",
+           "register_grouped_family", "slot_rows", "sum_into_rows", "token_grad"]
 
 _TYPESTR = {torch.int32: "<i4", torch.int64: "<i8"}
 _PINNED = threading.local()  # per thread (the forward's, autograd's): {(device, dtype): (pinned host, its device view)}
@@ -60,30 +65,61 @@ def host_ints(t: Tensor) -> list[int]:
     return host[:n].tolist()
 
 
-def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
+def _check(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> None:
     torch._check(x.dim() == 2 and w.dim() == 3 and x.shape[1] == w.shape[1],
                  lambda: f"grouped_mm: x [R, K] and w [E, K, N] needed, got {tuple(x.shape)}, {tuple(w.shape)}")
     torch._check(offs.dim() == 1 and offs.shape[0] == w.shape[0] and offs.dtype == torch.int32,
                  lambda: f"grouped_mm: offs must be int32 [E={w.shape[0]}], got {offs.dtype} {tuple(offs.shape)}")
+    if rows is not None:
+        torch._check(rows.dim() == 1 and rows.dtype in (torch.int32, torch.int64),
+                     lambda: f"grouped_mm: rows must be int32 or int64 [R] (x's row of each of y's rows), got "
+                             f"{rows.dtype} {tuple(rows.shape)}")
+
+
+def out_rows(x: Tensor, rows: Tensor | None) -> int:
+    """R, y's rows: x's, or one per entry of ``rows``."""
+    return x.shape[0] if rows is None else rows.shape[0]
+
+
+def sum_into_rows(dx: Tensor, rows: Tensor, r0: int, r1: int, part: Tensor) -> None:
+    """dx[rows[r0:r1]] += part (one expert's rows [r0, r1), in dx's dtype): one ``index_add``, whose adds land on
+    distinct rows when the expert's rows name distinct tokens, so its sum does not depend on the device's order."""
+    dx.index_add_(0, rows[r0:r1], part.to(dx.dtype))
+
+
+def token_grad(x: Tensor) -> Tensor:
+    """The zeroed accumulator of x's gradient over gathered rows: fp32 (or wider, x's), cast to x's dtype once."""
+    return x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
 
 
 @torch.library.custom_op("glm52::grouped_mm", mutates_args=())
-def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """y[g] = x[g] @ w[e] for each expert's contiguous row group."""
-    _check(x, w, offs)
-    return _zero_tail(torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs), offs)
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> Tensor:
+    """y[g] = x[g] @ w[e] for each expert's contiguous row group (x[rows] for x with ``rows``)."""
+    _check(x, w, offs, rows)
+    xs = x if rows is None else x[rows]                                          # this family gathers them
+    return _zero_tail(torch._grouped_mm(xs.contiguous(), w.contiguous(), offs=offs), offs)
 
 
 @torch.library.custom_op("glm52::grouped_mm_bwd", mutates_args=())
-def grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
-    """(dx = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]); experts with no rows get dw = 0."""
+def grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
+                   rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(dx = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]); experts with no rows get dw = 0. With ``rows``, dx [T, K]
+    sums each token's rows."""
     dy = dy.contiguous()
-    dx = _zero_tail(torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs), offs)
+    xs = x if rows is None else x[rows]
+    dxs = _zero_tail(torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs), offs)
     # dw reads x.T [K, R] grouped along its columns; _grouped_mm needs every group (and the row stride)
     # to span a multiple of 16 bytes, so each expert's rows are copied into a zero-padded slot
-    xp, dyp, poffs = _align_groups(x, dy, offs, max(1, 16 // x.element_size()))
+    xp, dyp, poffs = _align_groups(xs, dy, offs, max(1, 16 // x.element_size()))
     dw = torch._grouped_mm(xp.t().contiguous(), dyp, offs=poffs)
-    return dx, dw
+    if rows is None:
+        return dxs, dw
+    dx, r0 = token_grad(x), 0
+    for r1 in host_ints(offs):
+        if r1 > r0:
+            sum_into_rows(dx, rows, r0, r1, dxs[r0:r1])
+        r0 = r1
+    return dx.to(x.dtype), dw
 
 
 def _zero_tail(y: Tensor, offs: Tensor) -> Tensor:
@@ -132,28 +168,28 @@ def register_grouped_family(name: str) -> None:
     bf16 family here and the FP8 one (:mod:`glm52_model.ops.fp8_grouped_mm`)."""
     fwd, bwd = getattr(torch.ops.glm52, name), getattr(torch.ops.glm52, f"{name}_bwd")
 
-    def fake(x, w, offs):
-        _check(x, w, offs)
-        return x.new_empty((x.shape[0], w.shape[2]))
+    def fake(x, w, offs, rows=None):
+        _check(x, w, offs, rows)
+        return x.new_empty((out_rows(x, rows), w.shape[2]))
 
-    def fake_bwd(dy, x, w, offs):
-        _check(x, w, offs)
+    def fake_bwd(dy, x, w, offs, rows=None):
+        _check(x, w, offs, rows)
         return torch.empty_like(x), torch.empty_like(w)
 
     def setup_context(ctx, inputs, output):
-        x, w, offs = inputs
-        ctx.save_for_backward(x, w, offs)
+        x, w, offs, rows = inputs
+        ctx.save_for_backward(x, w, offs, rows)
 
     def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
-        dx, dw = bwd(dy, x, w, offs)
-        return dx, dw, None
+        x, w, offs, rows = ctx.saved_tensors
+        dx, dw = bwd(dy, x, w, offs, rows)
+        return dx, dw, None, None
 
-    def flops(x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
-        return 2 * x_shape[0] * x_shape[1] * w_shape[2]
+    def flops(x_shape, w_shape, offs_shape, rows_shape=None, *args, **kwargs) -> int:
+        return 2 * (rows_shape or x_shape)[0] * x_shape[1] * w_shape[2]
 
-    def flops_bwd(dy_shape, x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
-        return 4 * x_shape[0] * x_shape[1] * w_shape[2]
+    def flops_bwd(dy_shape, x_shape, w_shape, offs_shape, rows_shape=None, *args, **kwargs) -> int:
+        return 4 * dy_shape[0] * x_shape[1] * w_shape[2]
 
     torch.library.register_fake(f"glm52::{name}")(fake)
     torch.library.register_fake(f"glm52::{name}_bwd")(fake_bwd)
@@ -165,8 +201,10 @@ def register_grouped_family(name: str) -> None:
 register_grouped_family("grouped_mm")
 
 
-def ref_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """Loop over experts with plain matmuls (differentiable)."""
+def ref_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> Tensor:
+    """Loop over experts with plain matmuls (differentiable); ``rows`` gathers x's rows first."""
+    if rows is not None:
+        x = x[rows]
     outs, start = [], 0
     for e, end in enumerate(offs.tolist()):
         outs.append(x[start:end] @ w[e])

@@ -197,3 +197,47 @@ def test_flop_formulas_count_the_experts_gemms():
     with FlopCounterMode(display=False) as fc:
         OP(x, w, offs).sum().backward()
     assert fc.get_total_flops() == 2 * 40 * 32 * 24 + 4 * 40 * 32 * 24
+
+
+def test_gathered_rows_are_the_gathered_copy_bit_for_bit():
+    """With ``rows`` (each token's row once per expert it picked) the quantisers read x's rows in place: y and
+    dw are the op's over the gathered copy x[rows] bit for bit, and dx is that op's dx summed per token, expert
+    by expert in fp32 (one add per token per expert, so the sum's order is the experts')."""
+    from tests.ops.test_grouped_mm import _routed
+    x, w, offs, rows = _routed(T=150, K=200, N=136, k=3, E=6)
+    x, w = x.detach(), w.detach() * 200 ** -0.5
+    dy = torch.randn(rows.shape[0], 136)
+    y = OP(x, w, offs, rows)
+    dx, dw = BWD(dy, x, w, offs, rows)
+    assert torch.equal(y, OP(x[rows], w, offs))
+    dxs, dw_ref = BWD(dy, x[rows], w, offs)
+    assert torch.equal(dw, dw_ref) and bool((dw[0] == 0).all())
+    assert torch.equal(dx, torch.zeros_like(x).index_add_(0, rows, dxs))
+    torch.library.opcheck(OP, (x.requires_grad_(), w, offs, rows))
+    torch.library.opcheck(BWD, (dy, x.detach(), w, offs, rows))
+
+
+def test_the_model_reads_the_token_rows_in_place():
+    """The routed experts run on the token rows (``rows``), never on their [T*k, h] copy: same output and
+    gradients as the copy-then-GEMM path the expert-parallel dispatch keeps (rows sent to other ranks)."""
+    from glm52_model.model import MoE, combine_experts, expert_rows
+    from sacpass.testing import OpCounter
+    torch.manual_seed(0)
+    for fp8_experts in (True, False):
+        cfg = GLM52Config.tiny(fp8_experts=fp8_experts, mtp_layers=0)
+        moe = MoE(cfg)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        x = torch.randn(40, cfg.hidden_size, requires_grad=True)
+        with OpCounter("aten::index.Tensor") as calls:
+            out = moe.experts(x, *moe.route(x))
+        assert calls.count("forward", "aten::index.Tensor") == 1, calls.counts   # the combine's gather only
+        out.square().sum().backward()
+        x2 = x.detach().requires_grad_()
+        expert, weight = moe.route(x2)
+        order = torch.argsort(expert.flatten(), stable=True)
+        offs = torch.bincount(expert.flatten(), minlength=cfg.num_experts).cumsum(0).to(torch.int32)
+        ref = combine_experts(moe.grouped_ffn(expert_rows(x2, order), offs), weight, order)
+        ref.square().sum().backward()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)

@@ -135,3 +135,21 @@ def test_fp8_quantize_op_on_the_tilelang_kernels_is_bit_exact(tiles):
     q2, s2 = _fp8_quantize_kernel(x, tiles)
     assert q.shape == q2.shape and s.shape == s2.shape
     assert torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+
+
+def test_cuda_gathered_rows_are_the_gathered_copy():
+    """``rows`` on CUDA (the TileLang quantisers read x's rows in place): y and dw equal the op over the gathered
+    copy x[rows] bit for bit, dx is that op's dx summed per token in fp32 in expert order (the CPU's
+    sequential index_add in row order: the same adds), and two backwards give the same bits."""
+    from tests.ops.test_grouped_mm import _routed
+    x, w, offs, rows = _routed(T=2048, K=1024, N=768, k=4, E=9, seed=3)
+    x, w = x.detach().cuda().bfloat16(), (w.detach() * 1024 ** -0.5).cuda().bfloat16()
+    offs, rows = offs.cuda(), rows.cuda()
+    dy = torch.randn(rows.shape[0], 768, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(OP(x, w, offs, rows), OP(x[rows], w, offs))
+    dx, dw = BWD(dy, x, w, offs, rows)
+    dxs, dw_ref = BWD(dy, x[rows], w, offs)
+    assert torch.equal(dw, dw_ref)
+    ref = torch.zeros(x.shape).index_add_(0, rows.cpu(), dxs.float().cpu()).bfloat16()
+    assert torch.equal(dx.cpu(), ref)
+    assert torch.equal(BWD(dy, x, w, offs, rows)[0], dx)

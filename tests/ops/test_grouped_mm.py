@@ -46,3 +46,49 @@ def test_backward_uneven_groups(offs):
     ref_grouped_mm(x2, w2, offs).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+
+
+def _routed(T=12, K=32, N=24, k=2, E=4, seed=0):
+    """Top-k routing of T tokens over E experts: the assignments sorted by expert, ``rows`` the token of each
+    (a token picks an expert at most once), and the first expert left empty."""
+    g = torch.Generator().manual_seed(seed)
+    expert = torch.stack([torch.randperm(E - 1, generator=g)[:k] + 1 for _ in range(T)])  # [T, k], never 0
+    order = torch.argsort(expert.flatten(), stable=True)
+    counts = torch.bincount(expert.flatten(), minlength=E)
+    x = torch.randn(T, K, generator=g, requires_grad=True)
+    w = torch.randn(E, K, N, generator=g, requires_grad=True)
+    return x, w, counts.cumsum(0).to(torch.int32), order // k
+
+
+def test_gathered_rows_equal_gathering_first():
+    """With ``rows``, y is grouped_mm over x[rows] and dx sums each token's rows (tokens read by 2 experts)."""
+    x, w, offs, rows = _routed()
+    dy = torch.randn(rows.shape[0], 24)
+    y = OP(x, w, offs, rows)
+    y.backward(dy)
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y2 = ref_grouped_mm(x2, w2, offs, rows)
+    y2.backward(dy)
+    assert y.shape == (24, 24) and x.grad.shape == x.shape
+    torch.testing.assert_close(y, y2)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    assert bool((w.grad[0] == 0).all())
+    torch.library.opcheck(OP, (x, w, offs, rows))
+    torch.library.opcheck(torch.ops.glm52.grouped_mm_bwd, (dy, x.detach(), w.detach(), offs, rows))
+
+
+def test_rows_must_be_integers():
+    x, w, offs, rows = _routed()
+    with pytest.raises(RuntimeError, match=r"grouped_mm: rows must be int32 or int64 \[R\]"):
+        OP(x, w, offs, rows.float())
+    with pytest.raises(RuntimeError, match=r"grouped_mm: rows must be int32 or int64 \[R\]"):
+        OP(x, w, offs, rows.view(2, -1))
+
+
+def test_flops_count_the_gathered_rows():
+    from torch.utils.flop_counter import FlopCounterMode
+    x, w, offs, rows = _routed()
+    with FlopCounterMode(display=False) as fc:
+        OP(x, w, offs, rows).sum().backward()
+    assert fc.get_total_flops() == 6 * 24 * 32 * 24                             # R = 24 rows, not T = 12

@@ -347,13 +347,13 @@ def register() -> None:
 
     quantisers = tilelang_quantisers()
 
-    def fp8_grouped_mm_cuda(x, w, offs):
+    def fp8_grouped_mm_cuda(x, w, offs, rows=None):
         quant = quantisers if takes(x) and takes(w) else TORCH_QUANTISERS
-        return fp8_grouped_mm_kernel(x, w, offs, quant)
+        return fp8_grouped_mm_kernel(x, w, offs, quant, rows=rows)
 
-    def fp8_grouped_mm_bwd_cuda(dy, x, w, offs):
+    def fp8_grouped_mm_bwd_cuda(dy, x, w, offs, rows=None):
         quant = quantisers if takes(dy) and takes(x) and takes(w) else TORCH_QUANTISERS
-        return fp8_grouped_mm_bwd_kernel(dy, x, w, offs, quant)
+        return fp8_grouped_mm_bwd_kernel(dy, x, w, offs, quant, rows=rows)
 
     torch.library.register_kernel("glm52::fp8_quantize", "cuda")(fp8_quantize_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm", "cuda")(fp8_grouped_mm_cuda)
