@@ -40,11 +40,13 @@ from torch import Tensor
 
 from .fp8 import (BLOCK, FP8_DTYPE, blockwise_scaled_mm, dequantize, quantize_1x128, quantize_1x128_t,
                   quantize_128x128)
-from .grouped_mm import (_check, group_slots, host_ints, out_rows, register_grouped_family, slot_rows, sum_into_rows,
-                         token_grad)
+from .grouped_mm import (_check, _check_combine, combine_rows, group_slots, host_ints, out_rows, register_combine_family,
+                         register_grouped_family, set_assignments, slot_rows, sum_into_rows, token_sum)
 
-__all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd", "fp8_grouped_mm_bwd_kernel",
-           "fp8_grouped_mm_kernel", "ref_fp8_grouped_mm"]
+__all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd",
+           "fp8_grouped_mm_bwd_kernel", "fp8_grouped_mm_combine", "fp8_grouped_mm_combine_bwd",
+           "fp8_grouped_mm_combine_bwd_kernel", "fp8_grouped_mm_combine_kernel", "fp8_grouped_mm_kernel",
+           "ref_fp8_grouped_mm"]
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -130,15 +132,17 @@ def _mm_into(out: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) ->
 
 
 def _expert_gemms(y: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], r0: int, r1: int,
-                  gemm_rows: int) -> None:
-    """y[r0:r1] = rows [r0, r1) of a times b: one GEMM over a multiple of gemm_rows rows written in place,
-    then the tail through a gemm_rows-row GEMM (a has gemm_rows - 1 rows past the last expert's)."""
+                  gemm_rows: int, at: int | None = None) -> None:
+    """y[at:at + r1 - r0] (``at`` r0 by default) = rows [r0, r1) of a times b: one GEMM over a multiple of
+    gemm_rows rows written in place, then the tail through a gemm_rows-row GEMM (a has gemm_rows - 1 rows past
+    the last expert's)."""
+    at = r0 if at is None else at
     body = r0 + (r1 - r0) // gemm_rows * gemm_rows
     if body > r0:
-        _mm_into(y[r0:body], (a[0][r0:body], a[1][r0:body]), b)
+        _mm_into(y[at:at + body - r0], (a[0][r0:body], a[1][r0:body]), b)
     if r1 > body:
         tail = (a[0][body:body + gemm_rows], a[1][body:body + gemm_rows])
-        y[body:r1] = _mm(tail, b, y.dtype)[:r1 - body]
+        y[at + body - r0:at + r1 - r0] = _mm(tail, b, y.dtype)[:r1 - body]
 
 
 def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS,
@@ -182,7 +186,7 @@ def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
         dx = torch.empty_like(x)
         dx[ends[-1]:].zero_()                                                    # rows of no expert
     else:
-        dx = token_grad(x)                                                       # [T, K], summed per token
+        dx = token_sum(x, x.shape)                                               # [T, K], summed per token
     src, dest, poffs = group_slots(offs, R, BLOCK)
     dyq, dys = quant.rows(dy, src, dest, slot_ends[-1])                          # [Rp, Np]
     wq, ws = quant.blocks(w)                                                     # [E, Kp, Np] blocks of w[e]
@@ -197,6 +201,65 @@ def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
             sum_into_rows(dx, rows, r0, r1, part)
         dw[e] = _mm(expert_cols(*xt, K, p0, p1), expert_cols(*dyt, N, p0, p1), w.dtype)
     return dx.to(x.dtype), dw
+
+
+def fp8_grouped_mm_combine_kernel(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight: Tensor,
+                                  quant: Quantisers = TORCH_QUANTISERS, gemm_rows: int = GEMM_ROWS) -> Tensor:
+    """out [T, N] = each expert's rows of x @ w[e] (the forward's GEMMs, into one expert-sized buffer reused
+    expert after expert), weighted and added into their tokens' rows of an fp32 sum: the [R, N] rows never
+    exist."""
+    _check_combine(x, w, offs, order, weight)
+    R, N = x.shape[0], w.shape[2]
+    out = token_sum(x, (weight.shape[0], N))
+    if R == 0 or w.shape[0] == 0:
+        return out.to(x.dtype)
+    ends = host_ints(offs)                                                       # the op's one host sync
+    end, Np = ends[-1], (N + BLOCK - 1) // BLOCK * BLOCK
+    if end:
+        tok, wrow = combine_rows(order, weight)
+        rows = torch.arange(end, device=x.device)
+        xq, xs = quant.rows(x, rows, rows, end + gemm_rows - 1)                  # [end + pad, Kp], zero pad rows
+        wq, ws = quant.blocks_t(w)                                               # [E, Np, Kp] blocks of w[e].T
+        part = x.new_empty((max(r1 - r0 for r0, r1 in zip([0] + ends[:-1], ends)), Np))
+        r0 = 0
+        for e, r1 in enumerate(ends):
+            if r1 > r0:
+                _expert_gemms(part, (xq, xs), (wq[e], ws[e]), r0, r1, gemm_rows, at=0)
+                sum_into_rows(out, tok, r0, r1, part[:r1 - r0, :N], wrow)
+            r0 = r1
+    return out.to(x.dtype)
+
+
+def fp8_grouped_mm_combine_bwd_kernel(dout: Tensor, x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight: Tensor,
+                                      quant: Quantisers = TORCH_QUANTISERS) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, dweight) with g = dout[token] @ w[e].T per row: dout's rows are quantised where they are (each
+    row's token's, unweighted: 1x128 tiles along N are per row, so the weight scales g after the GEMM), dx =
+    weight * g, dweight = <x, g> in fp32 (the row's output dotted with its token's gradient, without the output),
+    dw[e] = (weight * x[g]).T @ dout[token] (the weight rides on x, the [R, K] side, in the wgrad's tiles along
+    tokens)."""
+    _check_combine(x, w, offs, order, weight)
+    R, K = x.shape
+    dweight = torch.zeros_like(weight)
+    if R == 0 or w.shape[0] == 0:
+        return torch.zeros_like(x), torch.zeros_like(w), dweight
+    ends = host_ints(offs)                                                       # the op's one host sync
+    slot_ends = _slot_ends(ends)
+    tok, wrow = combine_rows(order, weight)
+    dx, dw = torch.empty_like(x), torch.zeros_like(w)
+    dx[ends[-1]:].zero_()                                                        # rows of no expert
+    per_row = wrow.new_zeros(R)
+    src, dest, poffs = group_slots(offs, R, BLOCK)
+    dyq, dys = quant.rows(dout, tok[src], dest, slot_ends[-1])                   # [Rp, Np], dout's rows in place
+    wq, ws = quant.blocks(w)                                                     # [E, Kp, Np] blocks of w[e]
+    xt = quant.cols(torch.mul(x, wrow[:, None], out=torch.empty_like(x)), src, dest, poffs, slot_ends)  # fp32 product
+    dyt = quant.cols(dout, tok[src], dest, poffs, slot_ends)
+    N = dout.shape[1]
+    for e, p0, p1, r0, r1 in _experts_with_rows(ends, slot_ends):
+        g = _mm((dyq[p0:p1], dys[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :K]
+        per_row[r0:r1] = (x[r0:r1].to(per_row.dtype) * g.to(per_row.dtype)).sum(-1)
+        torch.mul(g, wrow[r0:r1, None], out=dx[r0:r1])                           # in fp32, stored in x's dtype
+        dw[e] = _mm(expert_cols(*xt, K, p0, p1), expert_cols(*dyt, N, p0, p1), w.dtype)
+    return dx, dw, set_assignments(dweight, order, per_row)
 
 
 # ---------------------------------------------------------------------------------------------- ops
@@ -216,6 +279,22 @@ def fp8_grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
 
 
 register_grouped_family("fp8_grouped_mm")                    # fakes, autograd, FLOPs: grouped_mm's
+
+
+@torch.library.custom_op("glm52::fp8_grouped_mm_combine", mutates_args=())
+def fp8_grouped_mm_combine(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight: Tensor) -> Tensor:
+    """``glm52::grouped_mm_combine`` in FP8: out[t] = sum_j weight[t, j] * (x @ w[e]) at assignment t * k + j's row."""
+    return fp8_grouped_mm_combine_kernel(x, w, offs, order, weight)
+
+
+@torch.library.custom_op("glm52::fp8_grouped_mm_combine_bwd", mutates_args=())
+def fp8_grouped_mm_combine_bwd(dout: Tensor, x: Tensor, w: Tensor, offs: Tensor, order: Tensor,
+                               weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, dweight) of ``glm52::fp8_grouped_mm_combine`` in FP8."""
+    return fp8_grouped_mm_combine_bwd_kernel(dout, x, w, offs, order, weight)
+
+
+register_combine_family("fp8_grouped_mm_combine")            # fakes, autograd, FLOPs: grouped_mm_combine's
 
 
 # ---------------------------------------------------------------------------------------------- reference

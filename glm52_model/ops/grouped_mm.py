@@ -1,4 +1,5 @@
-"""Grouped GEMM for MoE experts: ``glm52::grouped_mm`` and its backward ``glm52::grouped_mm_bwd``.
+"""Grouped GEMM for MoE experts: ``glm52::grouped_mm`` and its backward ``glm52::grouped_mm_bwd``; the same
+with the routing's weighted sum into tokens, ``glm52::grouped_mm_combine`` and ``glm52::grouped_mm_combine_bwd``.
 
 Rows of ``x`` are sorted by expert; ``offs`` (int32 [E], cumulative row counts) ends each expert's
 group, so the number of rows per expert is data, not shape: one compiled graph serves every routing.
@@ -9,6 +10,14 @@ With ``rows`` (int [R]), row i of y reads row ``rows[i]`` of x [T, K] (the route
 per expert it picked, without materialising them): y[i] = x[rows[i]] @ w[e(i)], and dx [T, K] sums the gradients
 of every row that read a token, expert by expert (an ``index_add`` per expert: a token picks an expert at most
 once, so no two adds of one call land on one row and the sum has a fixed order).
+
+``grouped_mm_combine(x, w, offs, order, weight)`` -> out [T, N] is the last GEMM of the routed experts and their
+weighted sum: x's rows are the assignments ``order`` (sorted by expert; assignment t * k + j is token t's j-th
+pick, weighted ``weight[t, j]``), out[t] = sum_j weight[t, j] * (x @ w[e]) at that assignment's row, added in
+fp32 expert by expert the same way. Neither direction keeps the [R, N] rows: the backward takes the weight's
+gradient as <x row, dout[token] @ w[e].T> (equal to <output row, dout[token]>) from the dgrad it computes anyway.
+This module's kernels gather the rows they need (the bf16 family is the reference and the CPU's); the FP8
+family's (:mod:`glm52_model.ops.fp8_grouped_mm`) quantise them where they are.
 
 A custom op because ``aten._grouped_mm``'s meta function only accepts bf16 while the CPU tests run in
 fp32; its kernels call ``torch._grouped_mm`` (CPU: any float dtype; CUDA: bf16, offs int32).
@@ -22,8 +31,9 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["group_slots", "grouped_mm", "grouped_mm_bwd", "host_ints", "out_rows", "ref_grouped_mm",
-           "register_grouped_family", "slot_rows", "sum_into_rows", "token_grad"]
+__all__ = ["combine_rows", "group_slots", "grouped_mm", "grouped_mm_bwd", "grouped_mm_combine", "grouped_mm_combine_bwd",
+           "host_ints", "out_rows", "ref_grouped_mm", "register_combine_family", "register_grouped_family",
+           "set_assignments", "slot_rows", "sum_into_rows", "token_sum"]
 
 _TYPESTR = {torch.int32: "<i4", torch.int64: "<i8"}
 _PINNED = threading.local()  # per thread (the forward's, autograd's): {(device, dtype): (pinned host, its device view)}
@@ -81,15 +91,42 @@ def out_rows(x: Tensor, rows: Tensor | None) -> int:
     return x.shape[0] if rows is None else rows.shape[0]
 
 
-def sum_into_rows(dx: Tensor, rows: Tensor, r0: int, r1: int, part: Tensor) -> None:
-    """dx[rows[r0:r1]] += part (one expert's rows [r0, r1), in dx's dtype): one ``index_add``, whose adds land on
-    distinct rows when the expert's rows name distinct tokens, so its sum does not depend on the device's order."""
-    dx.index_add_(0, rows[r0:r1], part.to(dx.dtype))
+def sum_into_rows(acc: Tensor, rows: Tensor, r0: int, r1: int, part: Tensor, scale: Tensor | None = None) -> None:
+    """acc[rows[r0:r1]] += part (times ``scale[r0:r1]`` per row), in acc's dtype: one expert's rows [r0, r1) in one
+    ``index_add``, whose adds land on distinct rows when the expert's rows name distinct tokens, so the sum does
+    not depend on the device's order (the experts', one call after the other)."""
+    part = part.to(acc.dtype)
+    acc.index_add_(0, rows[r0:r1], part if scale is None else part * scale[r0:r1, None].to(acc.dtype))
 
 
-def token_grad(x: Tensor) -> Tensor:
-    """The zeroed accumulator of x's gradient over gathered rows: fp32 (or wider, x's), cast to x's dtype once."""
-    return x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
+def token_sum(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A zeroed per-token accumulator of rows like x's: fp32 (or x's dtype if wider), cast to x's dtype once."""
+    return x.new_zeros(shape, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_combine(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight: Tensor) -> None:
+    _check(x, w, offs)
+    torch._check(weight.dim() == 2 and weight.is_floating_point(),
+                 lambda: f"grouped_mm_combine: weight must be a float [T, k] (each token's k routing weights), got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    torch._check(order.dim() == 1 and order.dtype in (torch.int32, torch.int64)
+                 and order.shape[0] == x.shape[0] == weight.shape[0] * weight.shape[1],
+                 lambda: f"grouped_mm_combine: order must be int32 or int64 [R = T * k] (the assignment t * k + j "
+                         f"of each of x's rows), got {order.dtype} {tuple(order.shape)} for x {tuple(x.shape)} and "
+                         f"weight {tuple(weight.shape)}")
+
+
+def combine_rows(order: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's token and routing weight (fp32 or wider) when the rows are the assignments ``order`` of
+    each token's k picks: row i is assignment order[i], of token order[i] // k, weighted weight.flatten()[order[i]]."""
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    return order // weight.shape[1], weight.reshape(-1)[order].to(wide)
+
+
+def set_assignments(dweight: Tensor, order: Tensor, per_row: Tensor) -> Tensor:
+    """dweight [T, k] with assignment order[i] set to per_row[i] (every assignment is one row)."""
+    dweight.view(-1)[order] = per_row.to(dweight.dtype)
+    return dweight
 
 
 @torch.library.custom_op("glm52::grouped_mm", mutates_args=())
@@ -114,7 +151,7 @@ def grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
     dw = torch._grouped_mm(xp.t().contiguous(), dyp, offs=poffs)
     if rows is None:
         return dxs, dw
-    dx, r0 = token_grad(x), 0
+    dx, r0 = token_sum(x, x.shape), 0
     for r1 in host_ints(offs):
         if r1 > r0:
             sum_into_rows(dx, rows, r0, r1, dxs[r0:r1])
@@ -199,6 +236,74 @@ def register_grouped_family(name: str) -> None:
 
 
 register_grouped_family("grouped_mm")
+
+
+@torch.library.custom_op("glm52::grouped_mm_combine", mutates_args=())
+def grouped_mm_combine(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight: Tensor) -> Tensor:
+    """out [T, N]: y = grouped_mm(x, w, offs) weighted and summed into tokens, out[t] = sum_j weight[t, j] *
+    y[the row of assignment t * k + j] (rows are the assignments ``order``), in fp32, expert by expert."""
+    _check_combine(x, w, offs, order, weight)
+    y = _zero_tail(torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs), offs)
+    tok, wrow = combine_rows(order, weight)
+    out, r0 = token_sum(x, (weight.shape[0], w.shape[2])), 0
+    for r1 in host_ints(offs):
+        if r1 > r0:
+            sum_into_rows(out, tok, r0, r1, y[r0:r1], wrow)
+        r0 = r1
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("glm52::grouped_mm_combine_bwd", mutates_args=())
+def grouped_mm_combine_bwd(dout: Tensor, x: Tensor, w: Tensor, offs: Tensor, order: Tensor,
+                           weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, dweight): with g = dout[token] @ w[e].T per row, dx = weight * g, dweight = <x, g> (the row's
+    output dotted with its token's gradient, without the output), dw[e] = (weight * x[g]).T @ dout[token]."""
+    tok, wrow = combine_rows(order, weight)
+    dys = dout[tok].contiguous()                                                 # this family gathers them
+    g = _zero_tail(torch._grouped_mm(dys, w.transpose(1, 2).contiguous(), offs=offs), offs)
+    dweight = set_assignments(torch.zeros_like(weight), order, (x.to(wrow.dtype) * g.to(wrow.dtype)).sum(-1))
+    xw = torch.mul(x, wrow[:, None], out=torch.empty_like(x))                   # in fp32, stored in x's dtype
+    xp, dyp, poffs = _align_groups(xw, dys, offs, max(1, 16 // x.element_size()))
+    dw = torch._grouped_mm(xp.t().contiguous(), dyp, offs=poffs)
+    return torch.mul(g, wrow[:, None], out=torch.empty_like(x)), dw, dweight
+
+
+def register_combine_family(name: str) -> None:
+    """Fakes, autograd and FLOP formulas of a grouped GEMM with the routing's weighted sum into tokens,
+    ``glm52::<name>`` / ``glm52::<name>_bwd`` (x [R, K], w, offs, order [R], weight [T, k] -> out [T, N]): the
+    forward saves its inputs, not its [R, N] rows, and its backward is the ``_bwd`` op. Shared by the bf16
+    family here and the FP8 one."""
+    fwd, bwd = getattr(torch.ops.glm52, name), getattr(torch.ops.glm52, f"{name}_bwd")
+
+    def fake(x, w, offs, order, weight):
+        _check_combine(x, w, offs, order, weight)
+        return x.new_empty((weight.shape[0], w.shape[2]))
+
+    def fake_bwd(dout, x, w, offs, order, weight):
+        _check_combine(x, w, offs, order, weight)
+        return torch.empty_like(x), torch.empty_like(w), torch.empty_like(weight)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, dout):
+        dx, dw, dweight = bwd(dout, *ctx.saved_tensors)
+        return dx, dw, None, None, dweight
+
+    def flops(x_shape, w_shape, *args, **kwargs) -> int:
+        return 2 * x_shape[0] * x_shape[1] * w_shape[2]
+
+    def flops_bwd(dout_shape, x_shape, w_shape, *args, **kwargs) -> int:
+        return 4 * x_shape[0] * x_shape[1] * w_shape[2]
+
+    torch.library.register_fake(f"glm52::{name}")(fake)
+    torch.library.register_fake(f"glm52::{name}_bwd")(fake_bwd)
+    torch.library.register_autograd(f"glm52::{name}", backward, setup_context=setup_context)
+    register_flop_formula(fwd)(flops)
+    register_flop_formula(bwd)(flops_bwd)
+
+
+register_combine_family("grouped_mm_combine")
 
 
 def ref_grouped_mm(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> Tensor:

@@ -153,3 +153,22 @@ def test_cuda_gathered_rows_are_the_gathered_copy():
     ref = torch.zeros(x.shape).index_add_(0, rows.cpu(), dxs.float().cpu()).bfloat16()
     assert torch.equal(dx.cpu(), ref)
     assert torch.equal(BWD(dy, x, w, offs, rows)[0], dx)
+
+
+def test_cuda_combine_is_the_rows_summed_by_expert():
+    """glm52::fp8_grouped_mm_combine on CUDA: its output is the FP8 op's rows weighted and added into their
+    tokens in expert order, bit for bit (the CPU's sequential index_add in row order makes the same fp32 adds),
+    twice the same bits; its three gradients match the CPU kernel's (fp32 fake quant) at bf16 level."""
+    from tests.ops.test_grouped_mm import _combined
+    x, w, offs, order, weight = _combined(T=2048, K=1024, N=768, k=4, E=9, seed=6)
+    dy = torch.randn(2048, 768)
+    xc, wc, oc, ordc, wtc = x.cuda().bfloat16(), w.cuda().bfloat16(), offs.cuda(), order.cuda(), weight.cuda()
+    out = torch.ops.glm52.fp8_grouped_mm_combine(xc, wc, oc, ordc, wtc)
+    rows = OP(xc, wc, oc).float().cpu()
+    ref = torch.zeros(2048, 768).index_add_(0, order // 4, rows * weight.flatten()[order][:, None]).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out.cpu(), ref)
+    assert torch.equal(torch.ops.glm52.fp8_grouped_mm_combine(xc, wc, oc, ordc, wtc), out)
+    got = torch.ops.glm52.fp8_grouped_mm_combine_bwd(dy.cuda().bfloat16(), xc, wc, oc, ordc, wtc)
+    want = torch.ops.glm52.fp8_grouped_mm_combine_bwd(dy, x, w, offs, order, weight)
+    for g, r, what in zip(got, want, ("dx", "dw", "dweight")):
+        assert_similar(g.float().cpu(), r, min_cos=0.9995, max_rel=0.03, what=what)

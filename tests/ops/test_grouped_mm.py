@@ -48,16 +48,22 @@ def test_backward_uneven_groups(offs):
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
 
 
-def _routed(T=12, K=32, N=24, k=2, E=4, seed=0):
-    """Top-k routing of T tokens over E experts: the assignments sorted by expert, ``rows`` the token of each
-    (a token picks an expert at most once), and the first expert left empty."""
+def _routing(T, k, E, seed):
+    """Top-k routing of T tokens over E experts, the first expert left empty: the assignments sorted by expert
+    (``order``; a token picks an expert at most once) and the int32 group ends."""
     g = torch.Generator().manual_seed(seed)
     expert = torch.stack([torch.randperm(E - 1, generator=g)[:k] + 1 for _ in range(T)])  # [T, k], never 0
-    order = torch.argsort(expert.flatten(), stable=True)
     counts = torch.bincount(expert.flatten(), minlength=E)
+    return torch.argsort(expert.flatten(), stable=True), counts.cumsum(0).to(torch.int32)
+
+
+def _routed(T=12, K=32, N=24, k=2, E=4, seed=0):
+    """Token rows x [T, K], expert weights, group ends and ``rows``, the token of each sorted assignment."""
+    order, offs = _routing(T, k, E, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(T, K, generator=g, requires_grad=True)
     w = torch.randn(E, K, N, generator=g, requires_grad=True)
-    return x, w, counts.cumsum(0).to(torch.int32), order // k
+    return x, w, offs, order // k
 
 
 def test_gathered_rows_equal_gathering_first():
@@ -92,3 +98,79 @@ def test_flops_count_the_gathered_rows():
     with FlopCounterMode(display=False) as fc:
         OP(x, w, offs, rows).sum().backward()
     assert fc.get_total_flops() == 6 * 24 * 32 * 24                             # R = 24 rows, not T = 12
+
+
+COMBINE = torch.ops.glm52.grouped_mm_combine
+
+
+def _combined(T=40, K=64, N=48, k=2, E=5, seed=0):
+    """Hidden rows x [T*k, K] of the assignments sorted by expert (``order``), expert weights, group ends and
+    routing weights [T, k]."""
+    order, offs = _routing(T, k, E, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T * k, K, generator=g)
+    w = torch.randn(E, K, N, generator=g) * K ** -0.5
+    return x, w, offs, order, torch.rand(T, k, generator=g)
+
+
+def _unfused(x, w, offs, order, weight):
+    """The same sum the long way: every row's output, read back by token and summed over k (differentiable)."""
+    from glm52_model.model import combine_experts
+    return combine_experts(ref_grouped_mm(x, w, offs), weight, order)
+
+
+def test_combine_is_the_rows_summed_into_their_tokens():
+    """out[t] = sum_j weight[t, j] * y[row of assignment t*k + j], with its gradients (dweight too) against the
+    rows-then-gather path; an empty expert gets dw = 0."""
+    x, w, offs, order, weight = _combined()
+    x, w, weight = (t.requires_grad_() for t in (x, w, weight))
+    dy = torch.randn(40, 48)
+    out = COMBINE(x, w, offs, order, weight)
+    out.backward(dy)
+    x2, w2, weight2 = (t.detach().requires_grad_() for t in (x, w, weight))
+    ref = _unfused(x2, w2, offs, order, weight2)
+    ref.backward(dy)
+    assert out.shape == (40, 48)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for got, want in ((x.grad, x2.grad), (w.grad, w2.grad), (weight.grad, weight2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bool((w.grad[0] == 0).all())
+    torch.library.opcheck(COMBINE, (x, w, offs, order, weight))
+    torch.library.opcheck(torch.ops.glm52.grouped_mm_combine_bwd,
+                          (dy, x.detach(), w.detach(), offs, order, weight.detach()))
+
+
+def test_combine_is_as_close_to_float64_as_the_gather():
+    """The fused sum adds by expert and takes dweight as <hidden row, its dgrad> (no output rows kept): in fp32
+    its output and routing-weight gradient are as close to float64 as the rows-then-gather path (within 2x)."""
+    x, w, offs, order, weight = _combined(T=64, K=128, N=96, k=4, E=9, seed=5)
+    dy = torch.randn(64, 96, generator=torch.Generator().manual_seed(9))
+
+    def run(fused, dtype):
+        xx, ww, wt = x.to(dtype), w.to(dtype), weight.to(dtype).requires_grad_()
+        out = COMBINE(xx, ww, offs, order, wt) if fused else _unfused(xx, ww, offs, order, wt)
+        out.backward(dy.to(dtype))
+        return out.detach().double(), wt.grad.double()
+
+    out64, dweight64 = run(False, torch.float64)
+    (out_f, dw_f), (out_g, dw_g) = run(True, torch.float32), run(False, torch.float32)
+    assert (out_f - out64).abs().max() <= 2 * (out_g - out64).abs().max() + 1e-7
+    assert (dw_f - dweight64).abs().max() <= 2 * (dw_g - dweight64).abs().max() + 1e-7
+
+
+def test_combine_names_bad_inputs():
+    x, w, offs, order, weight = _combined()
+    with pytest.raises(RuntimeError, match=r"grouped_mm_combine: weight must be a float \[T, k\]"):
+        COMBINE(x, w, offs, order, weight.flatten())
+    with pytest.raises(RuntimeError, match=r"grouped_mm_combine: order must be int32 or int64 \[R = T \* k\]"):
+        COMBINE(x, w, offs, order[:-1], weight)
+    with pytest.raises(RuntimeError, match=r"grouped_mm_combine: order must be int32 or int64"):
+        COMBINE(x, w, offs, order.float(), weight)
+
+
+def test_combine_flops_count_every_row():
+    from torch.utils.flop_counter import FlopCounterMode
+    x, w, offs, order, weight = _combined()
+    with FlopCounterMode(display=False) as fc:
+        COMBINE(x.requires_grad_(), w, offs, order, weight).sum().backward()
+    assert fc.get_total_flops() == 6 * 80 * 64 * 48

@@ -343,7 +343,8 @@ def tilelang_quantisers():
 
 
 def register() -> None:
-    from ..fp8_grouped_mm import TORCH_QUANTISERS, fp8_grouped_mm_bwd_kernel, fp8_grouped_mm_kernel
+    from ..fp8_grouped_mm import (TORCH_QUANTISERS, fp8_grouped_mm_bwd_kernel, fp8_grouped_mm_combine_bwd_kernel,
+                                  fp8_grouped_mm_combine_kernel, fp8_grouped_mm_kernel)
 
     quantisers = tilelang_quantisers()
 
@@ -358,3 +359,14 @@ def register() -> None:
     torch.library.register_kernel("glm52::fp8_quantize", "cuda")(fp8_quantize_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm", "cuda")(fp8_grouped_mm_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm_bwd", "cuda")(fp8_grouped_mm_bwd_cuda)
+
+    def fp8_grouped_mm_combine_cuda(x, w, offs, order, weight):
+        quant = quantisers if takes(x) and takes(w) else TORCH_QUANTISERS
+        return fp8_grouped_mm_combine_kernel(x, w, offs, order, weight, quant)
+
+    def fp8_grouped_mm_combine_bwd_cuda(dout, x, w, offs, order, weight):
+        quant = quantisers if takes(dout) and takes(x) and takes(w) else TORCH_QUANTISERS
+        return fp8_grouped_mm_combine_bwd_kernel(dout, x, w, offs, order, weight, quant)
+
+    torch.library.register_kernel("glm52::fp8_grouped_mm_combine", "cuda")(fp8_grouped_mm_combine_cuda)
+    torch.library.register_kernel("glm52::fp8_grouped_mm_combine_bwd", "cuda")(fp8_grouped_mm_combine_bwd_cuda)
