@@ -199,11 +199,20 @@ def _align_groups(x: Tensor, dy: Tensor, offs: Tensor, align: int) -> tuple[Tens
     return slot_rows(x, src, dest, total), slot_rows(dy, src, dest, total), poffs
 
 
+def _register(name: str, fake, fake_bwd, backward, setup_context, flops, flops_bwd) -> None:
+    """A forward / backward op pair's fakes, autograd and FLOP formulas."""
+    torch.library.register_fake(f"glm52::{name}")(fake)
+    torch.library.register_fake(f"glm52::{name}_bwd")(fake_bwd)
+    torch.library.register_autograd(f"glm52::{name}", backward, setup_context=setup_context)
+    register_flop_formula(getattr(torch.ops.glm52, name))(flops)
+    register_flop_formula(getattr(torch.ops.glm52, f"{name}_bwd"))(flops_bwd)
+
+
 def register_grouped_family(name: str) -> None:
     """Fakes, autograd and FLOP formulas of a grouped GEMM pair ``glm52::<name>`` / ``glm52::<name>_bwd`` with
     this module's contract: the forward saves (x, w, offs) and its backward is the ``_bwd`` op. Shared by the
     bf16 family here and the FP8 one (:mod:`glm52_model.ops.fp8_grouped_mm`)."""
-    fwd, bwd = getattr(torch.ops.glm52, name), getattr(torch.ops.glm52, f"{name}_bwd")
+    bwd = getattr(torch.ops.glm52, f"{name}_bwd")
 
     def fake(x, w, offs, rows=None):
         _check(x, w, offs, rows)
@@ -228,11 +237,7 @@ def register_grouped_family(name: str) -> None:
     def flops_bwd(dy_shape, x_shape, w_shape, offs_shape, rows_shape=None, *args, **kwargs) -> int:
         return 4 * dy_shape[0] * x_shape[1] * w_shape[2]
 
-    torch.library.register_fake(f"glm52::{name}")(fake)
-    torch.library.register_fake(f"glm52::{name}_bwd")(fake_bwd)
-    torch.library.register_autograd(f"glm52::{name}", backward, setup_context=setup_context)
-    register_flop_formula(fwd)(flops)
-    register_flop_formula(bwd)(flops_bwd)
+    _register(name, fake, fake_bwd, backward, setup_context, flops, flops_bwd)
 
 
 register_grouped_family("grouped_mm")
@@ -273,7 +278,7 @@ def register_combine_family(name: str) -> None:
     ``glm52::<name>`` / ``glm52::<name>_bwd`` (x [R, K], w, offs, order [R], weight [T, k] -> out [T, N]): the
     forward saves its inputs, not its [R, N] rows, and its backward is the ``_bwd`` op. Shared by the bf16
     family here and the FP8 one."""
-    fwd, bwd = getattr(torch.ops.glm52, name), getattr(torch.ops.glm52, f"{name}_bwd")
+    bwd = getattr(torch.ops.glm52, f"{name}_bwd")
 
     def fake(x, w, offs, order, weight):
         _check_combine(x, w, offs, order, weight)
@@ -296,11 +301,7 @@ def register_combine_family(name: str) -> None:
     def flops_bwd(dout_shape, x_shape, w_shape, *args, **kwargs) -> int:
         return 4 * x_shape[0] * x_shape[1] * w_shape[2]
 
-    torch.library.register_fake(f"glm52::{name}")(fake)
-    torch.library.register_fake(f"glm52::{name}_bwd")(fake_bwd)
-    torch.library.register_autograd(f"glm52::{name}", backward, setup_context=setup_context)
-    register_flop_formula(fwd)(flops)
-    register_flop_formula(bwd)(flops_bwd)
+    _register(name, fake, fake_bwd, backward, setup_context, flops, flops_bwd)
 
 
 register_combine_family("grouped_mm_combine")

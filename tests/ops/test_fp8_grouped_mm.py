@@ -279,18 +279,9 @@ def test_combine_forward_is_the_rows_summed_by_expert_bit_for_bit():
 def test_combine_fp8_vs_fp32_forward_and_all_grads():
     """Forward and the three gradients (hidden rows, expert weights, routing weights) within the FP8
     experts' error of the unquantised rows-then-gather path; opcheck of both ops."""
-    from tests.ops.test_grouped_mm import _combined, _unfused
-    x, w, offs, order, weight = _combined(T=150, K=256, N=200, k=4, E=7, seed=4)
-    x, w, weight = (t.requires_grad_() for t in (x, w, weight))
-    dy = torch.randn(150, 200)
-    out = FP8_COMBINE(x, w, offs, order, weight)
-    out.backward(dy)
-    x2, w2, weight2 = (t.detach().requires_grad_() for t in (x, w, weight))
-    ref = _unfused(x2, w2, offs, order, weight2)
-    ref.backward(dy)
+    from tests.ops.test_grouped_mm import against_unfused
+    out, ref, grads, (x, w, *_), _ = against_unfused(FP8_COMBINE, FP8_COMBINE_BWD, T=150, K=256, N=200, k=4, E=7, seed=4)
     assert_similar(out, ref, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what="out")
-    for got, want, what in ((x.grad, x2.grad, "dx"), (w.grad, w2.grad, "dw"), (weight.grad, weight2.grad, "dweight")):
+    for got, want, what in grads:
         assert_similar(got, want, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what=what)
     assert bool((w.grad[0] == 0).all())
-    torch.library.opcheck(FP8_COMBINE, (x, w, offs, order, weight))
-    torch.library.opcheck(FP8_COMBINE_BWD, (dy, x.detach(), w.detach(), offs, order, weight.detach()))

@@ -119,25 +119,33 @@ def _unfused(x, w, offs, order, weight):
     return combine_experts(ref_grouped_mm(x, w, offs), weight, order)
 
 
-def test_combine_is_the_rows_summed_into_their_tokens():
-    """out[t] = sum_j weight[t, j] * y[row of assignment t*k + j], with its gradients (dweight too) against the
-    rows-then-gather path; an empty expert gets dw = 0."""
-    x, w, offs, order, weight = _combined()
+def against_unfused(op, bwd, **shape):
+    """``op`` (a combine op, ``bwd`` its backward) and the rows-then-gather path on one routing, forward and backward: (out, ref,
+    [(got, want, name)] for dx, dw and dweight, the inputs (x, w, offs, order, weight) and the gradient dy); the
+    op's forward and backward pass opcheck there."""
+    x, w, offs, order, weight = _combined(**shape)
     x, w, weight = (t.requires_grad_() for t in (x, w, weight))
-    dy = torch.randn(40, 48)
-    out = COMBINE(x, w, offs, order, weight)
+    dy = torch.randn(weight.shape[0], w.shape[2], generator=torch.Generator().manual_seed(7))
+    out = op(x, w, offs, order, weight)
     out.backward(dy)
     x2, w2, weight2 = (t.detach().requires_grad_() for t in (x, w, weight))
     ref = _unfused(x2, w2, offs, order, weight2)
     ref.backward(dy)
+    torch.library.opcheck(op, (x, w, offs, order, weight))
+    torch.library.opcheck(bwd, (dy, x.detach(), w.detach(), offs, order, weight.detach()))
+    grads = [(x.grad, x2.grad, "dx"), (w.grad, w2.grad, "dw"), (weight.grad, weight2.grad, "dweight")]
+    return out, ref, grads, (x, w, offs, order, weight), dy
+
+
+def test_combine_is_the_rows_summed_into_their_tokens():
+    """out[t] = sum_j weight[t, j] * y[row of assignment t*k + j], with its gradients (dweight too) against the
+    rows-then-gather path; an empty expert gets dw = 0."""
+    out, ref, grads, (x, w, *_), _ = against_unfused(COMBINE, torch.ops.glm52.grouped_mm_combine_bwd)
     assert out.shape == (40, 48)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    for got, want in ((x.grad, x2.grad), (w.grad, w2.grad), (weight.grad, weight2.grad)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want, what in grads:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
     assert bool((w.grad[0] == 0).all())
-    torch.library.opcheck(COMBINE, (x, w, offs, order, weight))
-    torch.library.opcheck(torch.ops.glm52.grouped_mm_combine_bwd,
-                          (dy, x.detach(), w.detach(), offs, order, weight.detach()))
 
 
 def test_combine_is_as_close_to_float64_as_the_gather():
