@@ -95,8 +95,8 @@ def sum_into_rows(acc: Tensor, rows: Tensor, r0: int, r1: int, part: Tensor, sca
     """acc[rows[r0:r1]] += part (times ``scale[r0:r1]`` per row), in acc's dtype: one expert's rows [r0, r1) in one
     ``index_add``, whose adds land on distinct rows when the expert's rows name distinct tokens, so the sum does
     not depend on the device's order (the experts', one call after the other)."""
-    part = part.to(acc.dtype)
-    acc.index_add_(0, rows[r0:r1], part if scale is None else part * scale[r0:r1, None].to(acc.dtype))
+    src = part.to(acc.dtype) if scale is None else part * scale[r0:r1, None].to(acc.dtype)  # one pass: cast and scale
+    acc.index_add_(0, rows[r0:r1], src)
 
 
 def token_sum(x: Tensor, shape: tuple[int, ...]) -> Tensor:
