@@ -209,8 +209,11 @@ class MoE(nn.Module):
         return self._gmm(self.expert_hidden(xs, offs), self.w_down, offs)       # [R, h]
 
     def expert_hidden(self, x: Tensor, offs: Tensor, rows: Tensor | None = None) -> Tensor:
-        """The SwiGLU's hidden rows [R, Im] over ``x`` [R, h], or over ``x[rows]`` read in place."""
-        return F.silu(self._gmm(x, self.w_gate, offs, rows)) * self._gmm(x, self.w_up, offs, rows)
+        """The SwiGLU's hidden rows [R, Im] over ``x`` [R, h], or over ``x[rows]`` read in place: the gate and
+        up GEMMs in one op (``grouped_mm_pair``: the rows read, and quantised, once; one dgrad sum)."""
+        pair = torch.ops.glm52.fp8_grouped_mm_pair if self.fp8_experts else torch.ops.glm52.grouped_mm_pair
+        gate, up = pair(x, self.w_gate, self.w_up, offs, rows)
+        return F.silu(gate) * up
 
     def routed_sum(self, x: Tensor, offs: Tensor, order: Tensor, weight: Tensor) -> Tensor:
         """Every token's weighted sum over its k experts [T, h] when this module holds all the experts: the

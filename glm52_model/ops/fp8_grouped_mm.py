@@ -40,12 +40,13 @@ from torch import Tensor
 
 from .fp8 import (BLOCK, FP8_DTYPE, blockwise_scaled_mm, dequantize, quantize_1x128, quantize_1x128_t,
                   quantize_128x128)
-from .grouped_mm import (_check, _check_combine, combine_rows, group_slots, host_ints, out_rows, register_combine_family,
-                         register_grouped_family, set_assignments, slot_rows, sum_into_rows, token_sum)
+from .grouped_mm import (_check, _check_combine, _check_pair, combine_rows, group_slots, host_ints, out_rows, register_combine_family,
+                         register_grouped_family, register_pair_family, set_assignments, slot_rows, sum_into_rows, token_sum)
 
 __all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd",
            "fp8_grouped_mm_bwd_kernel", "fp8_grouped_mm_combine", "fp8_grouped_mm_combine_bwd",
-           "fp8_grouped_mm_combine_bwd_kernel", "fp8_grouped_mm_combine_kernel", "fp8_grouped_mm_kernel",
+           "fp8_grouped_mm_combine_bwd_kernel", "fp8_grouped_mm_combine_kernel", "fp8_grouped_mm_kernel", "fp8_grouped_mm_pair",
+           "fp8_grouped_mm_pair_bwd", "fp8_grouped_mm_pair_bwd_kernel", "fp8_grouped_mm_pair_kernel",
            "ref_fp8_grouped_mm"]
 
 
@@ -145,29 +146,77 @@ def _expert_gemms(y: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor],
         y[at + body - r0:at + r1 - r0] = _mm(tail, b, y.dtype)[:r1 - body]
 
 
+def _forward(x: Tensor, ws: list[Tensor], offs: Tensor, quant: Quantisers, gemm_rows: int,
+             rows: Tensor | None) -> list[Tensor]:
+    """x @ w[e] per expert's rows for each w of ``ws`` (x[rows] with ``rows``): x quantised once, in y's row order,
+    read where it is; one blockwise FP8 GEMM per expert and weight, written in place."""
+    R = out_rows(x, rows)
+    if R == 0 or ws[0].shape[0] == 0:
+        return [x.new_zeros((R, w.shape[2])) for w in ws]
+    ends = host_ints(offs)                                                       # the op's one host sync
+    end = ends[-1]
+    if end:
+        dest = torch.arange(end, device=x.device)
+        src = dest if rows is None else rows[:end]
+        xq, xs = quant.rows(x, src, dest, end + gemm_rows - 1)                   # [end + pad, Kp], zero pad rows
+    ys = []
+    for w in ws:
+        N = w.shape[2]
+        Np = (N + BLOCK - 1) // BLOCK * BLOCK
+        y = x.new_empty((R, Np))                                                 # the GEMMs' width: in place
+        y[end:].zero_()                                                          # rows of no expert
+        if end:
+            wq, ws_ = quant.blocks_t(w)                                          # [E, Np, Kp] blocks of w[e].T
+            r0 = 0
+            for e, r1 in enumerate(ends):
+                if r1 > r0:
+                    _expert_gemms(y, (xq, xs), (wq[e], ws_[e]), r0, r1, gemm_rows)
+                r0 = r1
+        ys.append(y if Np == N else y[:, :N].contiguous())                       # N % 128: the op's [R, N]
+    return ys
+
+
+def _backward(dys: list[Tensor], x: Tensor, ws: list[Tensor], offs: Tensor, quant: Quantisers,
+              rows: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+    """(dx, [dw_i]): dgrads with each dy in 1x128 tiles along N and the weight blocks of w[e], summed per row
+    before dx is written (into each token's rows with ``rows``); wgrads with x (quantised once, read where it is)
+    and each dy in 1x128 tiles along tokens, each expert's rows in 128-row slots so that no tile straddles two
+    experts."""
+    R, K = dys[0].shape[0], x.shape[1]
+    if R == 0 or ws[0].shape[0] == 0:
+        return torch.zeros_like(x), [torch.zeros_like(w) for w in ws]
+    ends = host_ints(offs)                                                       # the op's one host sync
+    slot_ends = _slot_ends(ends)                                                 # poffs on the host
+    dws = [torch.zeros_like(w) for w in ws]
+    if rows is None:
+        dx = torch.empty_like(x)
+        dx[ends[-1]:].zero_()                                                    # rows of no expert
+    else:
+        dx = token_sum(x, x.shape)                                               # [T, K], summed per token
+    src, dest, poffs = group_slots(offs, R, BLOCK)
+    xt = quant.cols(x, src if rows is None else rows[src], dest, poffs, slot_ends)  # experts one after the other
+    grads = [(quant.rows(dy, src, dest, slot_ends[-1]), quant.blocks(w), quant.cols(dy, src, dest, poffs, slot_ends),
+              dy.shape[1]) for dy, w in zip(dys, ws)]                            # [Rp, Np], [E, Kp, Np], flat
+    for e, p0, p1, r0, r1 in _experts_with_rows(ends, slot_ends):
+        parts = [_mm((dyq[p0:p1], dys_[p0:p1]), (wq[e], ws_[e]), x.dtype)[:r1 - r0, :K]
+                 for (dyq, dys_), (wq, ws_), _, _ in grads]
+        if rows is not None:
+            sum_into_rows(dx, rows, r0, r1, *parts)
+        elif len(parts) == 1:
+            dx[r0:r1] = parts[0]
+        else:
+            torch.add(*parts, out=dx[r0:r1])                                     # one rounding of the sum
+        for dw, (_, _, dyt, N) in zip(dws, grads):
+            dw[e] = _mm(expert_cols(*xt, K, p0, p1), expert_cols(*dyt, N, p0, p1), dw.dtype)
+    return dx.to(x.dtype), dws
+
+
 def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS,
                           gemm_rows: int = GEMM_ROWS, rows: Tensor | None = None) -> Tensor:
     """y[g] = x[g] @ w[e] (x[rows] with ``rows``): x quantised in y's row order, read where it is, one blockwise
     FP8 GEMM per expert on its rows (``gemm_rows``: see :data:`GEMM_ROWS`, the op's)."""
     _check(x, w, offs, rows)
-    R, N = out_rows(x, rows), w.shape[2]
-    if R == 0 or w.shape[0] == 0:
-        return x.new_zeros((R, N))
-    ends = host_ints(offs)                                                       # the op's one host sync
-    end, Np = ends[-1], (N + BLOCK - 1) // BLOCK * BLOCK
-    y = x.new_empty((R, Np))                                                     # the GEMMs' width: in place
-    y[end:].zero_()                                                              # rows of no expert
-    if end:
-        dest = torch.arange(end, device=x.device)
-        src = dest if rows is None else rows[:end]
-        xq, xs = quant.rows(x, src, dest, end + gemm_rows - 1)                   # [end + pad, Kp], zero pad rows
-        wq, ws = quant.blocks_t(w)                                               # [E, Np, Kp] blocks of w[e].T
-        r0 = 0
-        for e, r1 in enumerate(ends):
-            if r1 > r0:
-                _expert_gemms(y, (xq, xs), (wq[e], ws[e]), r0, r1, gemm_rows)
-            r0 = r1
-    return y if Np == N else y[:, :N].contiguous()                               # N % 128: the op's [R, N]
+    return _forward(x, [w], offs, quant, gemm_rows, rows)[0]
 
 
 def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
@@ -176,31 +225,25 @@ def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
     along tokens, each expert's rows in 128-row slots so that no tile straddles two experts. With ``rows`` the
     quantisers read x's rows where they are and each expert's dgrad adds into its tokens' rows of dx."""
     _check(x, w, offs, rows)
-    R, K = dy.shape[0], x.shape[1]
-    if R == 0 or w.shape[0] == 0:
-        return torch.zeros_like(x), torch.zeros_like(w)
-    ends = host_ints(offs)                                                       # the op's one host sync
-    slot_ends = _slot_ends(ends)                                                 # poffs on the host
-    dw = torch.zeros_like(w)
-    if rows is None:
-        dx = torch.empty_like(x)
-        dx[ends[-1]:].zero_()                                                    # rows of no expert
-    else:
-        dx = token_sum(x, x.shape)                                               # [T, K], summed per token
-    src, dest, poffs = group_slots(offs, R, BLOCK)
-    dyq, dys = quant.rows(dy, src, dest, slot_ends[-1])                          # [Rp, Np]
-    wq, ws = quant.blocks(w)                                                     # [E, Kp, Np] blocks of w[e]
-    xt = quant.cols(x, src if rows is None else rows[src], dest, poffs, slot_ends)  # experts one after the other
-    dyt = quant.cols(dy, src, dest, poffs, slot_ends)
-    N = dy.shape[1]
-    for e, p0, p1, r0, r1 in _experts_with_rows(ends, slot_ends):
-        part = _mm((dyq[p0:p1], dys[p0:p1]), (wq[e], ws[e]), x.dtype)[:r1 - r0, :K]
-        if rows is None:
-            dx[r0:r1] = part
-        else:
-            sum_into_rows(dx, rows, r0, r1, part)
-        dw[e] = _mm(expert_cols(*xt, K, p0, p1), expert_cols(*dyt, N, p0, p1), w.dtype)
-    return dx.to(x.dtype), dw
+    dx, (dw,) = _backward([dy], x, [w], offs, quant, rows)
+    return dx, dw
+
+
+def fp8_grouped_mm_pair_kernel(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS,
+                               gemm_rows: int = GEMM_ROWS, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(x @ w1[e], x @ w2[e]) per expert's rows, x quantised once for both."""
+    _check_pair(x, w1, w2, offs, rows)
+    y1, y2 = _forward(x, [w1, w2], offs, quant, gemm_rows, rows)
+    return y1, y2
+
+
+def fp8_grouped_mm_pair_bwd_kernel(dy1: Tensor, dy2: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
+                                   quant: Quantisers = TORCH_QUANTISERS,
+                                   rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw1, dw2): x quantised once for both wgrads, both dgrads summed per row before dx is written."""
+    _check_pair(x, w1, w2, offs, rows)
+    dx, (dw1, dw2) = _backward([dy1, dy2], x, [w1, w2], offs, quant, rows)
+    return dx, dw1, dw2
 
 
 def fp8_grouped_mm_combine_kernel(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight: Tensor,
@@ -225,7 +268,7 @@ def fp8_grouped_mm_combine_kernel(x: Tensor, w: Tensor, offs: Tensor, order: Ten
         for e, r1 in enumerate(ends):
             if r1 > r0:
                 _expert_gemms(part, (xq, xs), (wq[e], ws[e]), r0, r1, gemm_rows, at=0)
-                sum_into_rows(out, tok, r0, r1, part[:r1 - r0, :N], wrow)
+                sum_into_rows(out, tok, r0, r1, part[:r1 - r0, :N], scale=wrow)
             r0 = r1
     return out.to(x.dtype)
 
@@ -279,6 +322,23 @@ def fp8_grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
 
 
 register_grouped_family("fp8_grouped_mm")                    # fakes, autograd, FLOPs: grouped_mm's
+
+
+@torch.library.custom_op("glm52::fp8_grouped_mm_pair", mutates_args=())
+def fp8_grouped_mm_pair(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
+                        rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``glm52::grouped_mm_pair`` in FP8: (x @ w1[e], x @ w2[e]), x quantised once for both."""
+    return fp8_grouped_mm_pair_kernel(x, w1, w2, offs, rows=rows)
+
+
+@torch.library.custom_op("glm52::fp8_grouped_mm_pair_bwd", mutates_args=())
+def fp8_grouped_mm_pair_bwd(dy1: Tensor, dy2: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
+                            rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw1, dw2) of ``glm52::fp8_grouped_mm_pair`` in FP8."""
+    return fp8_grouped_mm_pair_bwd_kernel(dy1, dy2, x, w1, w2, offs, rows=rows)
+
+
+register_pair_family("fp8_grouped_mm_pair")                  # fakes, autograd, FLOPs: grouped_mm_pair's
 
 
 @torch.library.custom_op("glm52::fp8_grouped_mm_combine", mutates_args=())

@@ -1,5 +1,7 @@
-"""Grouped GEMM for MoE experts: ``glm52::grouped_mm`` and its backward ``glm52::grouped_mm_bwd``; the same
-with the routing's weighted sum into tokens, ``glm52::grouped_mm_combine`` and ``glm52::grouped_mm_combine_bwd``.
+"""Grouped GEMM for MoE experts: ``glm52::grouped_mm`` and its backward ``glm52::grouped_mm_bwd``; two of them
+over the same rows, ``glm52::grouped_mm_pair`` (the SwiGLU's gate and up: the rows read once, the dgrads summed
+before they are written); one with the routing's weighted sum into tokens, ``glm52::grouped_mm_combine``; each
+with its ``_bwd`` op.
 
 Rows of ``x`` are sorted by expert; ``offs`` (int32 [E], cumulative row counts) ends each expert's
 group, so the number of rows per expert is data, not shape: one compiled graph serves every routing.
@@ -32,7 +34,8 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["combine_rows", "group_slots", "grouped_mm", "grouped_mm_bwd", "grouped_mm_combine", "grouped_mm_combine_bwd",
-           "host_ints", "out_rows", "ref_grouped_mm", "register_combine_family", "register_grouped_family",
+           "grouped_mm_pair", "grouped_mm_pair_bwd", "host_ints", "out_rows", "ref_grouped_mm",
+           "register_combine_family", "register_grouped_family", "register_pair_family",
            "set_assignments", "slot_rows", "sum_into_rows", "token_sum"]
 
 _TYPESTR = {torch.int32: "<i4", torch.int64: "<i8"}
@@ -86,16 +89,25 @@ def _check(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> No
                              f"{rows.dtype} {tuple(rows.shape)}")
 
 
+def _check_pair(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor, rows: Tensor | None) -> None:
+    _check(x, w1, offs, rows)
+    _check(x, w2, offs, rows)
+
+
 def out_rows(x: Tensor, rows: Tensor | None) -> int:
     """R, y's rows: x's, or one per entry of ``rows``."""
     return x.shape[0] if rows is None else rows.shape[0]
 
 
-def sum_into_rows(acc: Tensor, rows: Tensor, r0: int, r1: int, part: Tensor, scale: Tensor | None = None) -> None:
-    """acc[rows[r0:r1]] += part (times ``scale[r0:r1]`` per row), in acc's dtype: one expert's rows [r0, r1) in one
-    ``index_add``, whose adds land on distinct rows when the expert's rows name distinct tokens, so the sum does
-    not depend on the device's order (the experts', one call after the other)."""
-    src = part.to(acc.dtype) if scale is None else part * scale[r0:r1, None].to(acc.dtype)  # one pass: cast and scale
+def sum_into_rows(acc: Tensor, rows: Tensor, r0: int, r1: int, *parts: Tensor, scale: Tensor | None = None) -> None:
+    """acc[rows[r0:r1]] += the sum of ``parts`` (times ``scale[r0:r1]`` per row), in acc's dtype: one expert's rows
+    [r0, r1) in one ``index_add``, whose adds land on distinct rows when the expert's rows name distinct tokens, so
+    the sum does not depend on the device's order (the experts', one call after the other)."""
+    first, *more = parts
+    src = (first.to(acc.dtype, copy=bool(more)) if scale is None
+           else first * scale[r0:r1, None].to(acc.dtype))                        # one pass: cast and scale
+    for part in more:
+        src.add_(part)
     acc.index_add_(0, rows[r0:r1], src)
 
 
@@ -129,12 +141,40 @@ def set_assignments(dweight: Tensor, order: Tensor, per_row: Tensor) -> Tensor:
     return dweight
 
 
+def _forward(x: Tensor, ws: list[Tensor], offs: Tensor, rows: Tensor | None) -> list[Tensor]:
+    """x @ w[e] per expert's rows for each w of ``ws`` (x[rows] with ``rows``), x gathered once."""
+    xs = (x if rows is None else x[rows]).contiguous()                           # this family gathers them
+    return [_zero_tail(torch._grouped_mm(xs, w.contiguous(), offs=offs), offs) for w in ws]
+
+
+def _backward(dys: list[Tensor], x: Tensor, ws: list[Tensor], offs: Tensor,
+              rows: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+    """(dx = sum_i dy_i[g] @ w_i[e].T, [dw_i[e] = x[g].T @ dy_i[g]]); with ``rows``, dx [T, K] sums each token's rows."""
+    xs = x if rows is None else x[rows]
+    dys = [dy.contiguous() for dy in dys]
+    parts = [_zero_tail(torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs), offs)
+             for dy, w in zip(dys, ws)]
+    # dw reads x.T [K, R] grouped along its columns; _grouped_mm needs every group (and the row stride)
+    # to span a multiple of 16 bytes, so each expert's rows are copied into a zero-padded slot
+    dws = []
+    for dy in dys:
+        xp, dyp, poffs = _align_groups(xs, dy, offs, max(1, 16 // x.element_size()))
+        dws.append(torch._grouped_mm(xp.t().contiguous(), dyp, offs=poffs))
+    if rows is None:
+        return sum(parts[1:], parts[0]), dws
+    dx, r0 = token_sum(x, x.shape), 0
+    for r1 in host_ints(offs):
+        if r1 > r0:
+            sum_into_rows(dx, rows, r0, r1, *(p[r0:r1] for p in parts))
+        r0 = r1
+    return dx.to(x.dtype), dws
+
+
 @torch.library.custom_op("glm52::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> Tensor:
     """y[g] = x[g] @ w[e] for each expert's contiguous row group (x[rows] for x with ``rows``)."""
     _check(x, w, offs, rows)
-    xs = x if rows is None else x[rows]                                          # this family gathers them
-    return _zero_tail(torch._grouped_mm(xs.contiguous(), w.contiguous(), offs=offs), offs)
+    return _forward(x, [w], offs, rows)[0]
 
 
 @torch.library.custom_op("glm52::grouped_mm_bwd", mutates_args=())
@@ -142,21 +182,26 @@ def grouped_mm_bwd(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
                    rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dx = dy[g] @ w[e].T, dw[e] = x[g].T @ dy[g]); experts with no rows get dw = 0. With ``rows``, dx [T, K]
     sums each token's rows."""
-    dy = dy.contiguous()
-    xs = x if rows is None else x[rows]
-    dxs = _zero_tail(torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs), offs)
-    # dw reads x.T [K, R] grouped along its columns; _grouped_mm needs every group (and the row stride)
-    # to span a multiple of 16 bytes, so each expert's rows are copied into a zero-padded slot
-    xp, dyp, poffs = _align_groups(xs, dy, offs, max(1, 16 // x.element_size()))
-    dw = torch._grouped_mm(xp.t().contiguous(), dyp, offs=poffs)
-    if rows is None:
-        return dxs, dw
-    dx, r0 = token_sum(x, x.shape), 0
-    for r1 in host_ints(offs):
-        if r1 > r0:
-            sum_into_rows(dx, rows, r0, r1, dxs[r0:r1])
-        r0 = r1
-    return dx.to(x.dtype), dw
+    dx, (dw,) = _backward([dy], x, [w], offs, rows)
+    return dx, dw
+
+
+@torch.library.custom_op("glm52::grouped_mm_pair", mutates_args=())
+def grouped_mm_pair(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
+                    rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(x @ w1[e], x @ w2[e]) per expert's rows: ``grouped_mm`` twice over the same rows (the SwiGLU's gate and
+    up), which are read once."""
+    _check_pair(x, w1, w2, offs, rows)
+    y1, y2 = _forward(x, [w1, w2], offs, rows)
+    return y1, y2
+
+
+@torch.library.custom_op("glm52::grouped_mm_pair_bwd", mutates_args=())
+def grouped_mm_pair_bwd(dy1: Tensor, dy2: Tensor, x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
+                        rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw1, dw2): dx sums both GEMMs' dgrads (each token's rows with ``rows``) before it is written."""
+    dx, (dw1, dw2) = _backward([dy1, dy2], x, [w1, w2], offs, rows)
+    return dx, dw1, dw2
 
 
 def _zero_tail(y: Tensor, offs: Tensor) -> Tensor:
@@ -243,6 +288,40 @@ def register_grouped_family(name: str) -> None:
 register_grouped_family("grouped_mm")
 
 
+def register_pair_family(name: str) -> None:
+    """Fakes, autograd and FLOP formulas of ``glm52::<name>`` / ``glm52::<name>_bwd``, two grouped GEMMs of the
+    same rows (x, w1, w2, offs, rows) -> (y1, y2): the forward saves its inputs and its backward is the ``_bwd``
+    op. Shared by the bf16 family here and the FP8 one."""
+    bwd = getattr(torch.ops.glm52, f"{name}_bwd")
+
+    def fake(x, w1, w2, offs, rows=None):
+        _check_pair(x, w1, w2, offs, rows)
+        return x.new_empty((out_rows(x, rows), w1.shape[2])), x.new_empty((out_rows(x, rows), w2.shape[2]))
+
+    def fake_bwd(dy1, dy2, x, w1, w2, offs, rows=None):
+        _check_pair(x, w1, w2, offs, rows)
+        return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, dy1, dy2):
+        x, w1, w2, offs, rows = ctx.saved_tensors
+        dx, dw1, dw2 = bwd(dy1, dy2, x, w1, w2, offs, rows)
+        return dx, dw1, dw2, None, None
+
+    def flops(x_shape, w1_shape, w2_shape, offs_shape, rows_shape=None, *args, **kwargs) -> int:
+        return 2 * (rows_shape or x_shape)[0] * x_shape[1] * (w1_shape[2] + w2_shape[2])
+
+    def flops_bwd(dy1_shape, dy2_shape, x_shape, w1_shape, w2_shape, *args, **kwargs) -> int:
+        return 4 * dy1_shape[0] * x_shape[1] * (w1_shape[2] + w2_shape[2])
+
+    _register(name, fake, fake_bwd, backward, setup_context, flops, flops_bwd)
+
+
+register_pair_family("grouped_mm_pair")
+
+
 @torch.library.custom_op("glm52::grouped_mm_combine", mutates_args=())
 def grouped_mm_combine(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight: Tensor) -> Tensor:
     """out [T, N]: y = grouped_mm(x, w, offs) weighted and summed into tokens, out[t] = sum_j weight[t, j] *
@@ -253,7 +332,7 @@ def grouped_mm_combine(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight
     out, r0 = token_sum(x, (weight.shape[0], w.shape[2])), 0
     for r1 in host_ints(offs):
         if r1 > r0:
-            sum_into_rows(out, tok, r0, r1, y[r0:r1], wrow)
+            sum_into_rows(out, tok, r0, r1, y[r0:r1], scale=wrow)
         r0 = r1
     return out.to(x.dtype)
 

@@ -154,13 +154,14 @@ def test_model_uses_the_fp8_op_only_when_asked():
         cfg = GLM52Config.tiny(fp8_experts=flag, mtp_layers=0)
         model = GLM52ForCausalLM(cfg)
         ids = torch.randint(0, cfg.vocab_size, (1, 32))
-        with OpCounter("glm52::fp8_grouped_mm", "glm52::grouped_mm", "glm52::fp8_grouped_mm_combine",
-                       "glm52::grouped_mm_combine") as calls:
+        names = [f"glm52::{p}grouped_mm{s}" for p in ("", "fp8_") for s in ("", "_pair", "_combine")]
+        with OpCounter(*names) as calls:
             model(ids, labels=ids)
-        assert calls.count("forward", op + ".") == 2 * 2, calls.counts           # gate, up x 2 MoE layers
+        assert calls.count("forward", op + "_pair.") == 2, calls.counts          # gate and up, 2 MoE layers
         assert calls.count("forward", op + "_combine.") == 2, calls.counts       # down and the sum
+        assert calls.forward == 4                                                 # nothing else
         other = "glm52::grouped_mm" if flag else "glm52::fp8_grouped_mm"
-        assert calls.count(op=other + ".") == 0 and calls.count(op=other + "_combine.") == 0
+        assert calls.count(op=other) == 0
 
 
 @pytest.mark.slow
@@ -181,13 +182,14 @@ def test_compiled_with_sacpass_matches_eager_and_keeps_the_topk():
     apply_compile(compiled, backend=be)
     ids = _batch(torch.Generator().manual_seed(2), cfg.vocab_size)[:2]
     eager(ids, labels=ids).backward()
-    with OpCounter("glm52::dsa_topk_indices", "aten::topk", "glm52::fp8_grouped_mm", "glm52::fp8_grouped_mm_bwd",
-                   "glm52::fp8_grouped_mm_combine", "glm52::fp8_grouped_mm_combine_bwd") as calls:
+    with OpCounter("glm52::dsa_topk_indices", "aten::topk", "glm52::fp8_grouped_mm_pair",
+                   "glm52::fp8_grouped_mm_pair_bwd", "glm52::fp8_grouped_mm_combine",
+                   "glm52::fp8_grouped_mm_combine_bwd") as calls:
         compiled(ids, labels=ids).backward()
     assert calls.count("backward", "glm52::dsa_topk_indices") == 0 and calls.count("backward", "aten::topk") == 0
-    assert calls.count("backward", "glm52::fp8_grouped_mm_bwd") == 2                 # the experts' backward ran
+    assert calls.count("backward", "glm52::fp8_grouped_mm_pair_bwd") == 1            # the experts' backward ran
     assert calls.count("backward", "glm52::fp8_grouped_mm_combine_bwd") == 1
-    assert calls.count("forward", "glm52::fp8_grouped_mm.") == 2                      # in the compiled graph
+    assert calls.count("forward", "glm52::fp8_grouped_mm_pair.") == 1                 # in the compiled graph
     assert calls.count("forward", "glm52::fp8_grouped_mm_combine.") == 1
     assert any("fp8_grouped_mm" in op for r in be.reports for op in r.recomputed), [dict(r.recomputed) for r in be.reports]
     for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
@@ -285,3 +287,28 @@ def test_combine_fp8_vs_fp32_forward_and_all_grads():
     for got, want, what in grads:
         assert_similar(got, want, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what=what)
     assert bool((w.grad[0] == 0).all())
+
+
+def test_pair_is_two_grouped_gemms_of_the_same_rows():
+    """glm52::fp8_grouped_mm_pair (the SwiGLU's gate and up, x quantised once) gives the single op's outputs and
+    weight gradients bit for bit, with and without ``rows``; dx is the two dgrads summed per row before it is
+    written (with ``rows``: summed into each token in fp32 expert by expert, as the CPU's sequential index_add of
+    the two single ops' row gradients does); opcheck of both ops."""
+    from tests.ops.test_grouped_mm import _routed
+    x, w1, offs, rows = _routed(T=150, K=200, N=136, k=3, E=6)
+    x, w1 = x.detach(), w1.detach() * 200 ** -0.5
+    w2 = torch.randn_like(w1) * 200 ** -0.5
+    dy1, dy2 = torch.randn(rows.shape[0], 136), torch.randn(rows.shape[0], 136)
+    PAIR, PAIR_BWD = torch.ops.glm52.fp8_grouped_mm_pair, torch.ops.glm52.fp8_grouped_mm_pair_bwd
+    for r, xs in ((rows, x[rows]), (None, x[rows])):
+        xin = x if r is not None else xs
+        y1, y2 = PAIR(xin, w1, w2, offs, r)
+        assert torch.equal(y1, OP(xs, w1, offs)) and torch.equal(y2, OP(xs, w2, offs))
+        dx, dw1, dw2 = PAIR_BWD(dy1, dy2, xin, w1, w2, offs, r)
+        (g1, ref1), (g2, ref2) = BWD(dy1, xs, w1, offs), BWD(dy2, xs, w2, offs)
+        assert torch.equal(dw1, ref1) and torch.equal(dw2, ref2)
+        summed = g1 + g2
+        want = summed if r is None else torch.zeros_like(x).index_add_(0, rows, summed)
+        assert torch.equal(dx, want)
+        torch.library.opcheck(PAIR, (xin.clone().requires_grad_(), w1, w2, offs, r))
+        torch.library.opcheck(PAIR_BWD, (dy1, dy2, xin, w1, w2, offs, r))

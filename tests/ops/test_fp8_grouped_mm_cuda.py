@@ -172,3 +172,22 @@ def test_cuda_combine_is_the_rows_summed_by_expert():
     want = torch.ops.glm52.fp8_grouped_mm_combine_bwd(dy, x, w, offs, order, weight)
     for g, r, what in zip(got, want, ("dx", "dw", "dweight")):
         assert_similar(g.float().cpu(), r, min_cos=0.9995, max_rel=0.03, what=what)
+
+
+def test_cuda_pair_is_two_grouped_gemms_of_the_same_rows():
+    """glm52::fp8_grouped_mm_pair on CUDA with ``rows``: both outputs and both weight gradients equal the single
+    op's over the gathered copy bit for bit, and dx is their row gradients summed per token in fp32 in expert
+    order (the CPU's sequential index_add of the two, in row order: the same adds)."""
+    from tests.ops.test_grouped_mm import _routed
+    x, w1, offs, rows = _routed(T=2048, K=1024, N=768, k=4, E=9, seed=4)
+    x, w1 = x.detach().cuda().bfloat16(), (w1.detach() * 1024 ** -0.5).cuda().bfloat16()
+    w2 = (torch.randn_like(w1.float()) * 1024 ** -0.5).bfloat16()
+    offs, rows = offs.cuda(), rows.cuda()
+    dy1, dy2 = (torch.randn(rows.shape[0], 768, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    y1, y2 = torch.ops.glm52.fp8_grouped_mm_pair(x, w1, w2, offs, rows)
+    assert torch.equal(y1, OP(x[rows], w1, offs)) and torch.equal(y2, OP(x[rows], w2, offs))
+    dx, dw1, dw2 = torch.ops.glm52.fp8_grouped_mm_pair_bwd(dy1, dy2, x, w1, w2, offs, rows)
+    (g1, ref1), (g2, ref2) = BWD(dy1, x[rows], w1, offs), BWD(dy2, x[rows], w2, offs)
+    assert torch.equal(dw1, ref1) and torch.equal(dw2, ref2)
+    summed = g1.float().cpu() + g2.float().cpu()
+    assert torch.equal(dx.cpu(), torch.zeros(x.shape).index_add_(0, rows.cpu(), summed).bfloat16())

@@ -182,3 +182,25 @@ def test_combine_flops_count_every_row():
     with FlopCounterMode(display=False) as fc:
         COMBINE(x.requires_grad_(), w, offs, order, weight).sum().backward()
     assert fc.get_total_flops() == 6 * 80 * 64 * 48
+
+
+def test_pair_is_two_grouped_gemms_of_the_same_rows():
+    """glm52::grouped_mm_pair equals grouped_mm twice over the same gathered rows, outputs and all gradients;
+    its FLOPs are both GEMMs'."""
+    from torch.utils.flop_counter import FlopCounterMode
+    x, w1, offs, rows = _routed()
+    w2 = torch.randn_like(w1).requires_grad_()
+    dy1, dy2 = torch.randn(24, 24), torch.randn(24, 24)
+    with FlopCounterMode(display=False) as fc:
+        y1, y2 = torch.ops.glm52.grouped_mm_pair(x, w1, w2, offs, rows)
+        torch.autograd.backward((y1, y2), (dy1, dy2))
+    assert fc.get_total_flops() == 2 * 6 * 24 * 32 * 24
+    x2, w12, w22 = (t.detach().requires_grad_() for t in (x, w1, w2))
+    r1, r2 = ref_grouped_mm(x2, w12, offs, rows), ref_grouped_mm(x2, w22, offs, rows)
+    torch.autograd.backward((r1, r2), (dy1, dy2))
+    torch.testing.assert_close(y1, r1)
+    torch.testing.assert_close(y2, r2)
+    for got, want in ((x.grad, x2.grad), (w1.grad, w12.grad), (w2.grad, w22.grad)):
+        torch.testing.assert_close(got, want)
+    torch.library.opcheck(torch.ops.glm52.grouped_mm_pair, (x, w1, w2, offs, rows))
+    torch.library.opcheck(torch.ops.glm52.grouped_mm_pair_bwd, (dy1, dy2, x.detach(), w1.detach(), w2.detach(), offs, rows))

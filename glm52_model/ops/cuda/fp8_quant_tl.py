@@ -344,7 +344,8 @@ def tilelang_quantisers():
 
 def register() -> None:
     from ..fp8_grouped_mm import (TORCH_QUANTISERS, fp8_grouped_mm_bwd_kernel, fp8_grouped_mm_combine_bwd_kernel,
-                                  fp8_grouped_mm_combine_kernel, fp8_grouped_mm_kernel)
+                                  fp8_grouped_mm_combine_kernel, fp8_grouped_mm_kernel, fp8_grouped_mm_pair_bwd_kernel,
+                                  fp8_grouped_mm_pair_kernel)
 
     quantisers = tilelang_quantisers()
 
@@ -368,5 +369,16 @@ def register() -> None:
         quant = quantisers if takes(dout) and takes(x) and takes(w) else TORCH_QUANTISERS
         return fp8_grouped_mm_combine_bwd_kernel(dout, x, w, offs, order, weight, quant)
 
+    def fp8_grouped_mm_pair_cuda(x, w1, w2, offs, rows=None):
+        quant = quantisers if takes(x) and takes(w1) and takes(w2) else TORCH_QUANTISERS
+        return fp8_grouped_mm_pair_kernel(x, w1, w2, offs, quant, rows=rows)
+
+    def fp8_grouped_mm_pair_bwd_cuda(dy1, dy2, x, w1, w2, offs, rows=None):
+        quant = (quantisers if takes(dy1) and takes(dy2) and takes(x) and takes(w1) and takes(w2)
+                 else TORCH_QUANTISERS)
+        return fp8_grouped_mm_pair_bwd_kernel(dy1, dy2, x, w1, w2, offs, quant, rows=rows)
+
+    torch.library.register_kernel("glm52::fp8_grouped_mm_pair", "cuda")(fp8_grouped_mm_pair_cuda)
+    torch.library.register_kernel("glm52::fp8_grouped_mm_pair_bwd", "cuda")(fp8_grouped_mm_pair_bwd_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm_combine", "cuda")(fp8_grouped_mm_combine_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm_combine_bwd", "cuda")(fp8_grouped_mm_combine_bwd_cuda)
