@@ -1,5 +1,6 @@
 """Tile-wise FP8 grouped GEMM for the routed experts: ``glm52::fp8_grouped_mm`` and its backward
-``glm52::fp8_grouped_mm_bwd``.
+``glm52::fp8_grouped_mm_bwd``, and the FP8 forms of ``grouped_mm_pair`` and ``grouped_mm_combine``
+(``glm52::fp8_grouped_mm_pair``, ``glm52::fp8_grouped_mm_combine``, each with its ``_bwd``).
 
 The contract of ``glm52::grouped_mm`` (rows of ``x`` sorted by expert, ``offs`` int32 [E] ends each expert's
 group, rows past ``offs[-1]`` belong to no expert and get 0), with each expert's three GEMMs in the model's
@@ -40,14 +41,15 @@ from torch import Tensor
 
 from .fp8 import (BLOCK, FP8_DTYPE, blockwise_scaled_mm, dequantize, quantize_1x128, quantize_1x128_t,
                   quantize_128x128)
-from .grouped_mm import (_check, _check_combine, _check_pair, combine_rows, group_slots, host_ints, out_rows, register_combine_family,
-                         register_grouped_family, register_pair_family, set_assignments, slot_rows, sum_into_rows, token_sum)
+from .grouped_mm import (_check, _check_combine, _check_pair, combine_rows, group_slots, host_ints, out_rows,
+                         register_combine_family, register_grouped_family, register_pair_family, set_assignments,
+                         slot_rows, sum_into_rows, token_sum)
 
 __all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd",
            "fp8_grouped_mm_bwd_kernel", "fp8_grouped_mm_combine", "fp8_grouped_mm_combine_bwd",
-           "fp8_grouped_mm_combine_bwd_kernel", "fp8_grouped_mm_combine_kernel", "fp8_grouped_mm_kernel", "fp8_grouped_mm_pair",
-           "fp8_grouped_mm_pair_bwd", "fp8_grouped_mm_pair_bwd_kernel", "fp8_grouped_mm_pair_kernel",
-           "ref_fp8_grouped_mm"]
+           "fp8_grouped_mm_combine_bwd_kernel", "fp8_grouped_mm_combine_kernel", "fp8_grouped_mm_kernel",
+           "fp8_grouped_mm_pair", "fp8_grouped_mm_pair_bwd", "fp8_grouped_mm_pair_bwd_kernel",
+           "fp8_grouped_mm_pair_kernel", "ref_fp8_grouped_mm"]
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -219,8 +221,8 @@ def fp8_grouped_mm_kernel(x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers 
     return _forward(x, [w], offs, quant, gemm_rows, rows)[0]
 
 
-def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor,
-                              quant: Quantisers = TORCH_QUANTISERS, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def fp8_grouped_mm_bwd_kernel(dy: Tensor, x: Tensor, w: Tensor, offs: Tensor, quant: Quantisers = TORCH_QUANTISERS,
+                              rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """dgrad with dy in 1x128 tiles along N and the weight blocks of w[e]; wgrad with x and dy in 1x128 tiles
     along tokens, each expert's rows in 128-row slots so that no tile straddles two experts. With ``rows`` the
     quantisers read x's rows where they are and each expert's dgrad adds into its tokens' rows of dx."""

@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["combine_rows", "group_slots", "grouped_mm", "grouped_mm_bwd", "grouped_mm_combine", "grouped_mm_combine_bwd",
-           "grouped_mm_pair", "grouped_mm_pair_bwd", "host_ints", "out_rows", "ref_grouped_mm",
+__all__ = ["combine_rows", "group_slots", "grouped_mm", "grouped_mm_bwd", "grouped_mm_combine",
+           "grouped_mm_combine_bwd", "grouped_mm_pair", "grouped_mm_pair_bwd", "host_ints", "out_rows", "ref_grouped_mm",
            "register_combine_family", "register_grouped_family", "register_pair_family",
            "set_assignments", "slot_rows", "sum_into_rows", "token_sum"]
 
@@ -149,7 +149,8 @@ def _forward(x: Tensor, ws: list[Tensor], offs: Tensor, rows: Tensor | None) -> 
 
 def _backward(dys: list[Tensor], x: Tensor, ws: list[Tensor], offs: Tensor,
               rows: Tensor | None) -> tuple[Tensor, list[Tensor]]:
-    """(dx = sum_i dy_i[g] @ w_i[e].T, [dw_i[e] = x[g].T @ dy_i[g]]); with ``rows``, dx [T, K] sums each token's rows."""
+    """(dx = sum_i dy_i[g] @ w_i[e].T, [dw_i[e] = x[g].T @ dy_i[g]]); with ``rows``, dx [T, K] sums each token's
+    rows."""
     xs = x if rows is None else x[rows]
     dys = [dy.contiguous() for dy in dys]
     parts = [_zero_tail(torch._grouped_mm(dy, w.transpose(1, 2).contiguous(), offs=offs), offs)

@@ -282,7 +282,8 @@ def test_combine_fp8_vs_fp32_forward_and_all_grads():
     """Forward and the three gradients (hidden rows, expert weights, routing weights) within the FP8
     experts' error of the unquantised rows-then-gather path; opcheck of both ops."""
     from tests.ops.test_grouped_mm import against_unfused
-    out, ref, grads, (x, w, *_), _ = against_unfused(FP8_COMBINE, FP8_COMBINE_BWD, T=150, K=256, N=200, k=4, E=7, seed=4)
+    out, ref, grads, (x, w, *_), _ = against_unfused(FP8_COMBINE, FP8_COMBINE_BWD, T=150, K=256, N=200, k=4, E=7,
+                                                     seed=4)
     assert_similar(out, ref, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what="out")
     for got, want, what in grads:
         assert_similar(got, want, min_cos=FP8_MIN_COS, max_rel=FP8_MAX_REL, what=what)

@@ -120,9 +120,9 @@ def _unfused(x, w, offs, order, weight):
 
 
 def against_unfused(op, bwd, **shape):
-    """``op`` (a combine op, ``bwd`` its backward) and the rows-then-gather path on one routing, forward and backward: (out, ref,
-    [(got, want, name)] for dx, dw and dweight, the inputs (x, w, offs, order, weight) and the gradient dy); the
-    op's forward and backward pass opcheck there."""
+    """``op`` (a combine op, ``bwd`` its backward) and the rows-then-gather path on one routing, forward and
+    backward: (out, ref, [(got, want, name)] for dx, dw and dweight, the inputs (x, w, offs, order, weight) and the
+    gradient dy); the op's forward and backward pass opcheck there."""
     x, w, offs, order, weight = _combined(**shape)
     x, w, weight = (t.requires_grad_() for t in (x, w, weight))
     dy = torch.randn(weight.shape[0], w.shape[2], generator=torch.Generator().manual_seed(7))
@@ -203,4 +203,5 @@ def test_pair_is_two_grouped_gemms_of_the_same_rows():
     for got, want in ((x.grad, x2.grad), (w1.grad, w12.grad), (w2.grad, w22.grad)):
         torch.testing.assert_close(got, want)
     torch.library.opcheck(torch.ops.glm52.grouped_mm_pair, (x, w1, w2, offs, rows))
-    torch.library.opcheck(torch.ops.glm52.grouped_mm_pair_bwd, (dy1, dy2, x.detach(), w1.detach(), w2.detach(), offs, rows))
+    torch.library.opcheck(torch.ops.glm52.grouped_mm_pair_bwd,
+                          (dy1, dy2, x.detach(), w1.detach(), w2.detach(), offs, rows))
