@@ -41,9 +41,9 @@ from torch import Tensor
 
 from .fp8 import (BLOCK, FP8_DTYPE, blockwise_scaled_mm, dequantize, quantize_1x128, quantize_1x128_t,
                   quantize_128x128)
-from .grouped_mm import (_check, _check_combine, _check_pair, combine_rows, group_slots, host_ints, out_rows,
-                         register_combine_family, register_grouped_family, register_pair_family, set_assignments,
-                         slot_rows, sum_into_rows, token_sum)
+from .grouped_mm import (_check, _check_combine, _check_pair, combine_rows, expert_groups, group_slots, host_ints,
+                         out_rows, register_combine_family, register_grouped_family, register_pair_family,
+                         set_assignments, slot_rows, sum_into_rows, token_sum)
 
 __all__ = ["GEMM_ROWS", "TORCH_QUANTISERS", "Quantisers", "expert_cols", "fp8_grouped_mm", "fp8_grouped_mm_bwd",
            "fp8_grouped_mm_bwd_kernel", "fp8_grouped_mm_combine", "fp8_grouped_mm_combine_bwd",
@@ -169,11 +169,8 @@ def _forward(x: Tensor, ws: list[Tensor], offs: Tensor, quant: Quantisers, gemm_
         y[end:].zero_()                                                          # rows of no expert
         if end:
             wq, ws_ = quant.blocks_t(w)                                          # [E, Np, Kp] blocks of w[e].T
-            r0 = 0
-            for e, r1 in enumerate(ends):
-                if r1 > r0:
-                    _expert_gemms(y, (xq, xs), (wq[e], ws_[e]), r0, r1, gemm_rows)
-                r0 = r1
+            for e, r0, r1 in expert_groups(ends):
+                _expert_gemms(y, (xq, xs), (wq[e], ws_[e]), r0, r1, gemm_rows)
         ys.append(y if Np == N else y[:, :N].contiguous())                       # N % 128: the op's [R, N]
     return ys
 
@@ -265,13 +262,11 @@ def fp8_grouped_mm_combine_kernel(x: Tensor, w: Tensor, offs: Tensor, order: Ten
         rows = torch.arange(end, device=x.device)
         xq, xs = quant.rows(x, rows, rows, end + gemm_rows - 1)                  # [end + pad, Kp], zero pad rows
         wq, ws = quant.blocks_t(w)                                               # [E, Np, Kp] blocks of w[e].T
-        part = x.new_empty((max(r1 - r0 for r0, r1 in zip([0] + ends[:-1], ends)), Np))
-        r0 = 0
-        for e, r1 in enumerate(ends):
-            if r1 > r0:
-                _expert_gemms(part, (xq, xs), (wq[e], ws[e]), r0, r1, gemm_rows, at=0)
-                sum_into_rows(out, tok, r0, r1, part[:r1 - r0, :N], scale=wrow)
-            r0 = r1
+        groups = list(expert_groups(ends))
+        part = x.new_empty((max(r1 - r0 for _, r0, r1 in groups), Np))         # one expert's rows, reused
+        for e, r0, r1 in groups:
+            _expert_gemms(part, (xq, xs), (wq[e], ws[e]), r0, r1, gemm_rows, at=0)
+            sum_into_rows(out, tok, r0, r1, part[:r1 - r0, :N], scale=wrow)
     return out.to(x.dtype)
 
 

@@ -33,9 +33,9 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["combine_rows", "group_slots", "grouped_mm", "grouped_mm_bwd", "grouped_mm_combine",
-           "grouped_mm_combine_bwd", "grouped_mm_pair", "grouped_mm_pair_bwd", "host_ints", "out_rows", "ref_grouped_mm",
-           "register_combine_family", "register_grouped_family", "register_pair_family",
+__all__ = ["combine_rows", "expert_groups", "group_slots", "grouped_mm", "grouped_mm_bwd", "grouped_mm_combine",
+           "grouped_mm_combine_bwd", "grouped_mm_pair", "grouped_mm_pair_bwd", "host_ints", "out_rows",
+           "ref_grouped_mm", "register_combine_family", "register_grouped_family", "register_pair_family",
            "set_assignments", "slot_rows", "sum_into_rows", "token_sum"]
 
 _TYPESTR = {torch.int32: "<i4", torch.int64: "<i8"}
@@ -92,6 +92,15 @@ def _check(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None) -> No
 def _check_pair(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor, rows: Tensor | None) -> None:
     _check(x, w1, offs, rows)
     _check(x, w2, offs, rows)
+
+
+def expert_groups(ends: list[int]):
+    """(e, r0, r1): each expert with rows, its rows [r0, r1), from the group ends on the host."""
+    r0 = 0
+    for e, r1 in enumerate(ends):
+        if r1 > r0:
+            yield e, r0, r1
+        r0 = r1
 
 
 def out_rows(x: Tensor, rows: Tensor | None) -> int:
@@ -163,11 +172,9 @@ def _backward(dys: list[Tensor], x: Tensor, ws: list[Tensor], offs: Tensor,
         dws.append(torch._grouped_mm(xp.t().contiguous(), dyp, offs=poffs))
     if rows is None:
         return sum(parts[1:], parts[0]), dws
-    dx, r0 = token_sum(x, x.shape), 0
-    for r1 in host_ints(offs):
-        if r1 > r0:
-            sum_into_rows(dx, rows, r0, r1, *(p[r0:r1] for p in parts))
-        r0 = r1
+    dx = token_sum(x, x.shape)
+    for _, r0, r1 in expert_groups(host_ints(offs)):
+        sum_into_rows(dx, rows, r0, r1, *(p[r0:r1] for p in parts))
     return dx.to(x.dtype), dws
 
 
@@ -328,13 +335,11 @@ def grouped_mm_combine(x: Tensor, w: Tensor, offs: Tensor, order: Tensor, weight
     """out [T, N]: y = grouped_mm(x, w, offs) weighted and summed into tokens, out[t] = sum_j weight[t, j] *
     y[the row of assignment t * k + j] (rows are the assignments ``order``), in fp32, expert by expert."""
     _check_combine(x, w, offs, order, weight)
-    y = _zero_tail(torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs), offs)
+    (y,) = _forward(x, [w], offs, None)
     tok, wrow = combine_rows(order, weight)
-    out, r0 = token_sum(x, (weight.shape[0], w.shape[2])), 0
-    for r1 in host_ints(offs):
-        if r1 > r0:
-            sum_into_rows(out, tok, r0, r1, y[r0:r1], scale=wrow)
-        r0 = r1
+    out = token_sum(x, (weight.shape[0], w.shape[2]))
+    for _, r0, r1 in expert_groups(host_ints(offs)):
+        sum_into_rows(out, tok, r0, r1, y[r0:r1], scale=wrow)
     return out.to(x.dtype)
 
 
