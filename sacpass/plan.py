@@ -145,8 +145,9 @@ class ModelPlan:
                None (the default): the values the backward is sensitive to, those it sums times their own
                gradient (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``: differences of near-equal
                terms that packing disturbs most), seen in the joint graph as a custom op or a softmax backward
-               reading the value with a gradient of its shape, or a ``mul`` of the two reduced by a ``sum``; e.g.
-               the attention output of ``glm52::sparse_mla``. Selectors (op names, ``"module::op"`` strings,
+               reading the value with a gradient of its shape, a custom op reading it with any gradient and
+               returning one value per row of it (a routing weight's gradient), or a ``mul`` of the value and its
+               gradient reduced by a ``sum``; e.g. the attention output of ``glm52::sparse_mla``. Selectors (op names, ``"module::op"`` strings,
                OpOverloads, as the policy's) name them instead; ``()`` packs every floating value. The planner
                counts their full bytes. A selector that names no value the plan considers is reported like an
                unmatched policy selector.

@@ -220,6 +220,56 @@ def test_by_default_a_value_the_backward_sums_times_its_gradient_goes_unpacked()
                                                          if d.action == "offload")
 
 
+class _CheckpointedMoE(torch.nn.Module):
+    """The tiny GLM-5.2's MoE (bf16-path grouped GEMMs on the CPU) in a checkpointed residual block."""
+
+    def __init__(self):
+        from glm52_model import GLM52Config
+        from glm52_model.model import MoE
+
+        super().__init__()
+        self.moe = MoE(GLM52Config.tiny(num_layers=1, mtp_layers=0))
+        for p in self.moe.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda x: x + self.moe(x), x, use_reentrant=False)
+
+
+def test_by_default_the_expert_hidden_rows_a_routing_weight_gradient_reads_go_unpacked():
+    """The routed experts' down GEMM and weighted sum into tokens is one op (glm52::grouped_mm_combine); its
+    backward takes each routing weight's gradient as <hidden row, W_down^T dout[token]>, one value per row of the
+    hidden rows. The plan keeps what the hidden rows are recomputed from (the gate and up GEMMs' outputs) exact by
+    default, and the router's and the down weights' gradients come out closer to the exact plan's than with every
+    value packed."""
+    from sacpass.testing import no_compile_caches
+
+    torch.manual_seed(0)
+    block = _CheckpointedMoE()
+    x0 = torch.randn(64, block.moe.gate.shape[1])
+
+    def run(**kw):
+        plan = sacpass.ModelPlan(layers=1, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0,
+                                 cost=sacpass.CostModel(), **kw)
+        with no_compile_caches():
+            be = sacpass.backend(inner="aot_eager", plan=plan)
+            compiled = torch.compile(block, backend=be, fullgraph=True)
+            for _ in range(2):  # the first places from estimates, the second from the first step's sizes
+                block.zero_grad(set_to_none=True)
+                compiled(x0.clone().requires_grad_()).square().sum().backward()
+        return {n: p.grad.clone() for n, p in block.named_parameters()}, be.reports[-1].decisions
+
+    exact, _ = run()
+    default, decisions = run(compress="fp8")
+    packed, _ = run(compress="fp8", exact=())
+    (pair,) = [d for d in decisions if d.op.startswith("glm52::grouped_mm_pair")]
+    assert pair.action == "offload" and pair.exact == (
+        "sensitive: glm52::grouped_mm_combine_bwd returns one value per row of it from its gradient"), pair
+    assert "on the host unpacked" in pair.why
+    for name in ("moe.gate", "moe.w_down"):
+        assert relative_error(default[name], exact[name]) < 0.8 * relative_error(packed[name], exact[name]), name
+
+
 @pytest.mark.slow  # the softmax case above covers the rule quickly
 def test_the_glm_attention_output_stays_exact_by_default_and_the_gradients_are_closer():
     """Tiny GLM-5.2 under a compressing plan: sparse MLA's output (its backward op reads it with its gradient)

@@ -234,12 +234,23 @@ def _from_tangents(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 _SUMS_VALUE_TIMES_GRADIENT = ("aten::_softmax_backward_data", "aten::_log_softmax_backward_data")
 
 
+def _per_row(node: torch.fx.Node, val: torch.Tensor) -> bool:
+    """Whether ``node`` returns a floating tensor of one value per row of ``val`` (a [R, d] value, d > 1): a
+    per-row dot product, such as a gate's or a routing weight's gradient."""
+    out = node.meta.get("val")
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    return val.dim() >= 2 and val.shape[-1] > 1 and any(
+        isinstance(o, torch.Tensor) and o.is_floating_point() and o.dim() >= 1 and o.numel() == val.shape[0]
+        for o in outs)
+
+
 def _sensitive(cand: _Candidate, grads: set[torch.fx.Node]) -> str:
     """Why the backward is sensitive to ``cand``'s values, or "": where it sums a value times its own gradient
-    (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``), a difference of near-equal terms that a
-    lossy copy of the value disturbs most. Seen as: a custom op or a softmax backward that reads the value, or
-    one the backward recomputes from it (its reads), with a gradient of the value's shape; or a ``mul`` of the two
-    that a ``sum`` over a dimension reduces."""
+    (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``, a routing weight's ``<row, dout>``), few
+    terms or a difference of near-equal ones, which a lossy copy of the value disturbs most. Seen as: a custom op
+    or a softmax backward that reads the value, or one the backward recomputes from it (its reads), with a
+    gradient of the value's shape; a custom op that reads it with any gradient and returns one value per row of
+    it; or a ``mul`` of the value and its gradient that a ``sum`` over a dimension reduces."""
     kept = cand.form if cand.form is not None else cand.outputs
     for value in dict.fromkeys([*kept, *cand.reads]):
         val = value.meta.get("val")
@@ -259,15 +270,16 @@ def _sensitive(cand: _Candidate, grads: set[torch.fx.Node]) -> str:
             op = node_op(user)
             if op is None or user not in grads:
                 continue
-            same = [g for g in user.all_input_nodes if g not in seen and g in grads
-                    and isinstance(g.meta.get("val"), torch.Tensor) and g.meta["val"].shape == val.shape]
-            if not same:
-                continue
             name = op_name(user).split(".")[0]
-            if op.namespace not in ("aten", "prims") or name in _SUMS_VALUE_TIMES_GRADIENT:
-                return f"{name} reads it with its gradient"
-            if name == "aten::mul" and any(node_op(u) is torch.ops.aten.sum.dim_IntList for u in user.users):
-                return "its backward sums it times its gradient"
+            custom = op.namespace not in ("aten", "prims")
+            grad_in = [g for g in user.all_input_nodes if g not in seen and g in grads]
+            if any(isinstance(g.meta.get("val"), torch.Tensor) and g.meta["val"].shape == val.shape for g in grad_in):
+                if custom or name in _SUMS_VALUE_TIMES_GRADIENT:
+                    return f"{name} reads it with its gradient"
+                if name == "aten::mul" and any(node_op(u) is torch.ops.aten.sum.dim_IntList for u in user.users):
+                    return "its backward sums it times its gradient"
+            if custom and grad_in and _per_row(user, val):
+                return f"{name} returns one value per row of it from its gradient"
     return ""
 
 
