@@ -240,7 +240,7 @@ def test_by_default_the_expert_hidden_rows_a_routing_weight_gradient_reads_go_un
     """The routed experts' down GEMM and weighted sum into tokens is one op (glm52::grouped_mm_combine); its
     backward takes each routing weight's gradient as <hidden row, W_down^T dout[token]>, one value per row of the
     hidden rows. The plan keeps what the hidden rows are recomputed from (the gate and up GEMMs' outputs) exact by
-    default, and the router's and the down weights' gradients come out closer to the exact plan's than with every
+    default, and nothing else, and the router's and the down weights' gradients come out closer to the exact plan's than with every
     value packed."""
     from sacpass.testing import no_compile_caches
 
@@ -266,6 +266,7 @@ def test_by_default_the_expert_hidden_rows_a_routing_weight_gradient_reads_go_un
     assert pair.action == "offload" and pair.exact == (
         "sensitive: glm52::grouped_mm_combine_bwd returns one value per row of it from its gradient"), pair
     assert "on the host unpacked" in pair.why
+    assert [d for d in decisions if d.exact] == [pair], decisions  # the shared expert's GEMM outputs go packed
     for name in ("moe.gate", "moe.w_down"):
         assert relative_error(default[name], exact[name]) < 0.8 * relative_error(packed[name], exact[name]), name
 
