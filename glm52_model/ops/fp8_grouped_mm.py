@@ -168,9 +168,9 @@ def _forward(x: Tensor, ws: list[Tensor], offs: Tensor, quant: Quantisers, gemm_
         y = x.new_empty((R, Np))                                                 # the GEMMs' width: in place
         y[end:].zero_()                                                          # rows of no expert
         if end:
-            wq, ws_ = quant.blocks_t(w)                                          # [E, Np, Kp] blocks of w[e].T
+            wq, wsc = quant.blocks_t(w)                                          # [E, Np, Kp] blocks of w[e].T
             for e, r0, r1 in expert_groups(ends):
-                _expert_gemms(y, (xq, xs), (wq[e], ws_[e]), r0, r1, gemm_rows)
+                _expert_gemms(y, (xq, xs), (wq[e], wsc[e]), r0, r1, gemm_rows)
         ys.append(y if Np == N else y[:, :N].contiguous())                       # N % 128: the op's [R, N]
     return ys
 
@@ -197,8 +197,8 @@ def _backward(dys: list[Tensor], x: Tensor, ws: list[Tensor], offs: Tensor, quan
     grads = [(quant.rows(dy, src, dest, slot_ends[-1]), quant.blocks(w), quant.cols(dy, src, dest, poffs, slot_ends),
               dy.shape[1]) for dy, w in zip(dys, ws)]                            # [Rp, Np], [E, Kp, Np], flat
     for e, p0, p1, r0, r1 in _experts_with_rows(ends, slot_ends):
-        parts = [_mm((dyq[p0:p1], dys_[p0:p1]), (wq[e], ws_[e]), x.dtype)[:r1 - r0, :K]
-                 for (dyq, dys_), (wq, ws_), _, _ in grads]
+        parts = [_mm((dyq[p0:p1], dysc[p0:p1]), (wq[e], wsc[e]), x.dtype)[:r1 - r0, :K]
+                 for (dyq, dysc), (wq, wsc), _, _ in grads]
         if rows is not None:
             sum_into_rows(dx, rows, r0, r1, *parts)
         elif len(parts) == 1:
