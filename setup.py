@@ -24,6 +24,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the README's test command runs two workers (-n 2 --dist loadfile)
             "hypothesis>=6",  # property-based tests of the pass (tests/test_fuzz.py)
             "expecttest==0.3.0",  # golden graphs, inline (assertExpectedInline) and in files (sacpass.testing)
             "transformers==5.24.0",  # the checks on its GLM-5 DSA model (tests/test_discrete.py)

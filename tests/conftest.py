@@ -1,9 +1,20 @@
 """Fixtures every test gets, and the one rule for GPU tests: a test in a file whose name ends in ``_cuda.py``
-(wherever it lives under tests/) is marked ``gpu`` and skipped without a CUDA device."""
+(wherever it lives under tests/) is marked ``gpu`` and skipped without a CUDA device.
+
+Under pytest-xdist (the README's test command runs ``-n 2 --dist loadfile``: each file on one worker, so that a
+module's shared fixtures run once) each worker's torch takes its share of the cores, not all of them."""
+import os
+
 import pytest
 import torch
 
 GPU_TEST_FILE_SUFFIX = "_cuda.py"
+
+
+def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
