@@ -59,6 +59,11 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(everyone, f, indent=1)
+    # every rank past its last collective before any tears gloo down, and the offloads freed before the
+    # interpreter exits (a rank leaving while a peer still talks, or tensors freed at interpreter teardown,
+    # can abort a process with "terminate called without an active exception")
+    dist.barrier()
+    del kept
     dist.destroy_process_group()
 
 
