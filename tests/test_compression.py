@@ -240,8 +240,8 @@ def test_by_default_the_expert_hidden_rows_a_routing_weight_gradient_reads_go_un
     """The routed experts' down GEMM and weighted sum into tokens is one op (glm52::grouped_mm_combine); its
     backward takes each routing weight's gradient as <hidden row, W_down^T dout[token]>, one value per row of the
     hidden rows. The plan keeps what the hidden rows are recomputed from (the gate and up GEMMs' outputs) exact by
-    default, and nothing else, and the router's and the down weights' gradients come out closer to the exact plan's than with every
-    value packed."""
+    default, and nothing else, and the router's and the down weights' gradients come out closer to the exact plan's
+    than with every value packed."""
     from sacpass.testing import no_compile_caches
 
     torch.manual_seed(0)
