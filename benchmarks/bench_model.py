@@ -7,8 +7,10 @@ The model is ``GLM52ForCausalLM(GLM52Config.bench(num_layers=N, mtp_layers=0))``
 routed experts (the bench preset's FP8 recipe; ``--experts bf16`` for bf16 routed experts) and the TileLang kernels:
 full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder layer is
 compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from the same seed,
-one compiling step, ``--warmup`` more (a model plan: up to ``--settle`` more while its device budget still moves,
-``settle_steps``), then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
+one compiling step (``first_step_s``, and PyTorch's compile stack's share of it by function,
+``first_step_compile_s``; the rest is the step's run and its kernels' first builds), ``--warmup`` more (a model
+plan: up to ``--settle`` more while its device budget still moves, ``settle_steps``; what they compiled,
+``warmup_compile_s``), then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
 allocated memory of the timed steps, the caching allocator's retries and driver allocations in each
 (``allocator_per_step``), the host bytes offloaded and how much of the reload was prefetched, the
 backward top-k runs, the loss, and per compiled graph the planner's decisions (each value's bytes, action and
@@ -514,6 +516,20 @@ def settle(model, ids, plan, most: int) -> int:
     return most
 
 
+def compile_seconds() -> dict[str, float]:
+    """{function: seconds} that PyTorch's compile stack timed so far in this process (Dynamo, AOTAutograd,
+    Inductor, its autotuning and code generation: ``torch._dynamo.utils.compilation_time_metrics``), summed."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return {k: float(sum(v)) for k, v in compilation_time_metrics.items()}
+
+
+def seconds_since(before: dict[str, float]) -> dict[str, float]:
+    """What :func:`compile_seconds` added since ``before``, largest first, to the millisecond."""
+    now = compile_seconds()
+    added = {k: round(v - before.get(k, 0.0), 3) for k, v in now.items()}
+    return dict(sorted(((k, v) for k, v in added.items() if v > 0), key=lambda kv: -kv[1]))
+
+
 def measure(args, spec, make_backend, device, dtype) -> dict:
     name, param, _ = split_variant(spec)
     torch._dynamo.reset()
@@ -529,17 +545,19 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
     ids = torch.randint(0, model.cfg.vocab_size, (1, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
+    t0, compiled_before = time.perf_counter(), compile_seconds()
     with OpCounter("glm52::dsa_topk_indices", "aten::topk") as calls, budget:
         first = step(model, ids)
     sync()
     first_s = time.perf_counter() - t0
+    first_compile = seconds_since(compiled_before)
     if device.type == "cuda":  # the compiling step's peak is not the steps' (a ModelPlan(peak_bytes=) reads it)
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step(model, ids)
     settled = settle(model, ids, getattr(getattr(be, "config", None), "plan", None), args.settle)
     sync()
+    later_compile = seconds_since(compiled_before)
     if device.type == "cuda":
         model.zero_grad(set_to_none=True)
         gc.collect()
@@ -559,6 +577,12 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
     st = offload_runtime.stats()
     plan = getattr(getattr(be, "config", None), "plan", None)
     row = {"step_ms_median": statistics.median(times), "step_ms": times, "first_step_s": first_s,
+           # where the compiling steps' time went: PyTorch's compile stack by function (the rest of the first
+           # step is its run: the kernels' first builds, TileLang's among them, and the step itself); a model
+           # plan that counts its regions compiles again in the second step (the warm-up)
+           "first_step_compile_s": first_compile,
+           "warmup_compile_s": {k: round(v - first_compile.get(k, 0.0), 3) for k, v in later_compile.items()
+                                if v > first_compile.get(k, 0.0)},
            "settle_steps": settled, "allocator_per_step": allocator,
            "gc": gcs.summary(args.steps),
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,

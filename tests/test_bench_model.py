@@ -122,6 +122,25 @@ def test_the_allocator_counters_are_read_on_a_gpu_and_empty_on_the_cpu(monkeypat
         "alloc_retries": 3, "cuda_mallocs": 40, "cuda_frees": 7, "ooms": 0}
 
 
+def test_the_compile_seconds_of_a_step_count_the_compiles_it_ran_and_none_after():
+    """What the first step's row says of PyTorch's compile stack: a compile adds Dynamo's and AOTAutograd's
+    timed functions, largest first; a call served by the compiled graph adds none."""
+    import torch
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager")
+    x = torch.randn(8, requires_grad=True)
+    before = bench_model.compile_seconds()
+    fn(x).backward()
+    added = bench_model.seconds_since(before)
+    assert added.get("_compile.compile_inner", 0) > 0 and added.get("create_aot_dispatcher_function", 0) > 0
+    assert list(added.values()) == sorted(added.values(), reverse=True)
+    again = bench_model.compile_seconds()
+    fn(x).backward()
+    assert not any(k in bench_model.seconds_since(again) for k in ("_compile.compile_inner",
+                                                                  "create_aot_dispatcher_function"))
+
+
 def test_warm_up_goes_on_while_a_model_plan_s_budget_moves_is_in_doubt_or_unmeasured(monkeypatch):
     """settle(): steps while the device budget moves, while a budget measured slower once waits for its second
     step, and while the budget in hand has no measured step yet (a GPU step's timing is read a step later); it
