@@ -550,14 +550,14 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
         first = step(model, ids)
     sync()
     first_s = time.perf_counter() - t0
-    first_compile = seconds_since(compiled_before)
+    first_compile, compiled_before = seconds_since(compiled_before), compile_seconds()
     if device.type == "cuda":  # the compiling step's peak is not the steps' (a ModelPlan(peak_bytes=) reads it)
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step(model, ids)
     settled = settle(model, ids, getattr(getattr(be, "config", None), "plan", None), args.settle)
     sync()
-    later_compile = seconds_since(compiled_before)
+    warmup_compile = seconds_since(compiled_before)
     if device.type == "cuda":
         model.zero_grad(set_to_none=True)
         gc.collect()
@@ -580,9 +580,7 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
            # where the compiling steps' time went: PyTorch's compile stack by function (the rest of the first
            # step is its run: the kernels' first builds, TileLang's among them, and the step itself); a model
            # plan that counts its regions compiles again in the second step (the warm-up)
-           "first_step_compile_s": first_compile,
-           "warmup_compile_s": {k: round(v - first_compile.get(k, 0.0), 3) for k, v in later_compile.items()
-                                if v > first_compile.get(k, 0.0)},
+           "first_step_compile_s": first_compile, "warmup_compile_s": warmup_compile,
            "settle_steps": settled, "allocator_per_step": allocator,
            "gc": gcs.summary(args.steps),
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,
