@@ -8,7 +8,8 @@ routed experts (the bench preset's FP8 recipe; ``--experts bf16`` for bf16 route
 full top-k layers 0, 1, 2, 6, 10, 14 and shared-top-k layers between them. Every decoder layer is
 compile(checkpoint(layer)) (``glm52_model.compile.apply_compile``). Per variant: a fresh model from the same seed,
 one compiling step (``first_step_s``, and PyTorch's compile stack's share of it by function,
-``first_step_compile_s``; the rest is the step's run and its kernels' first builds), ``--warmup`` more (a model
+``first_step_compile_s``; the rest is the step's run and its kernels' first builds; which TileLang kernels it
+needed were built ahead in workers while it compiled, ``first_step_kernels``), ``--warmup`` more (a model
 plan: up to ``--settle`` more while its device budget still moves, ``settle_steps``; what they compiled,
 ``warmup_compile_s``), then the median of ``--steps`` timed fwd+bwd steps (CUDA events), the peak
 allocated memory of the timed steps, the caching allocator's retries and driver allocations in each
@@ -62,6 +63,7 @@ import sacpass  # noqa: E402
 import sacpass.offload as offload_runtime  # noqa: E402
 from glm52_model import GLM52Config, GLM52ForCausalLM  # noqa: E402
 from glm52_model.compile import apply_ac, apply_compile  # noqa: E402
+from glm52_model.ops.cuda import ahead as kernels_ahead  # noqa: E402
 from sacpass.testing import OpCounter  # noqa: E402
 from layerbench.variants import add_experts_option, experts_overrides  # noqa: E402
 
@@ -546,10 +548,13 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
                         generator=torch.Generator(device=device).manual_seed(1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0, compiled_before = time.perf_counter(), compile_seconds()
+    kernels_before, built_before = kernels_ahead.first_calls(), len(kernels_ahead.built())
     with OpCounter("glm52::dsa_topk_indices", "aten::topk") as calls, budget:
         first = step(model, ids)
     sync()
     first_s = time.perf_counter() - t0
+    kernels = {k: v - kernels_before[k] for k, v in kernels_ahead.first_calls().items()}
+    builds = [seconds for _, seconds in kernels_ahead.built()[built_before:]]
     first_compile, compiled_before = seconds_since(compiled_before), compile_seconds()
     if device.type == "cuda":  # the compiling step's peak is not the steps' (a ModelPlan(peak_bytes=) reads it)
         torch.cuda.reset_peak_memory_stats()
@@ -581,6 +586,10 @@ def measure(args, spec, make_backend, device, dtype) -> dict:
            # step is its run: the kernels' first builds, TileLang's among them, and the step itself); a model
            # plan that counts its regions compiles again in the second step (the warm-up)
            "first_step_compile_s": first_compile, "warmup_compile_s": warmup_compile,
+           # the TileLang kernels the first step needed, by where each came from (glm52_model.ops.cuda.ahead), and
+           # the seconds of the builds the workers ran meanwhile (beside the compile, several at once)
+           "first_step_kernels": {**kernels, "worker_build_s_total": round(sum(builds), 1),
+                                  "worker_build_s_longest": round(max(builds, default=0.0), 1)},
            "settle_steps": settled, "allocator_per_step": allocator,
            "gc": gcs.summary(args.steps),
            "loss": float(loss), "first_loss": float(first), "bw_topk_runs_first_step": calls.backward,

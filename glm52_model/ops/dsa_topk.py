@@ -30,6 +30,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from sacpass import register_must_save
 
+from ._trace import announced
 from .fp8 import FP8_DTYPE
 
 __all__ = ["dsa_topk_indices", "id_overlap", "quantize_indexer", "ref_dsa_scores", "ref_dsa_topk_indices"]
@@ -97,6 +98,7 @@ def dsa_topk_indices(q: Tensor, k: Tensor, weights: Tensor, starts: Tensor, ends
 
 
 @dsa_topk_indices.register_fake
+@announced("glm52::dsa_topk_indices")
 def _(q, k, weights, starts, ends, topk, scale, k_scale=None):
     _check(q, k, weights, starts, ends, topk, k_scale)
     return q.new_empty((q.shape[0], topk), dtype=torch.int32)

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from ._trace import announced
+
 __all__ = ["FP8_DTYPE", "BLOCK", "quantize_1x128", "quantize_1x128_t", "quantize_128x128", "dequantize",
            "fp8_quantize", "fp8_blockwise_mm", "blockwise_scaled_mm", "fp8_linear", "ref_fp8_linear"]
 
@@ -119,6 +121,7 @@ def _fp8_quantize_kernel(x: Tensor, tiles: str) -> tuple[Tensor, Tensor]:
 
 
 @fp8_quantize.register_fake
+@announced("glm52::fp8_quantize")
 def _(x, tiles):
     return _quantized_like(x, tiles)
 
@@ -148,6 +151,7 @@ def fp8_quantize_pair(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 @fp8_quantize_pair.register_fake
+@announced("glm52::fp8_quantize_pair")
 def _(x):
     return (*_quantized_like(x, "1x128"), *_quantized_like(x, "1x128_t"))
 

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from ._trace import announced
+
 __all__ = ["combine_rows", "expert_groups", "group_slots", "grouped_mm", "grouped_mm_bwd", "grouped_mm_combine",
            "grouped_mm_combine_bwd", "grouped_mm_pair", "grouped_mm_pair_bwd", "host_ints", "out_rows",
            "ref_grouped_mm", "register_combine_family", "register_grouped_family", "register_pair_family",
@@ -254,8 +256,8 @@ def _align_groups(x: Tensor, dy: Tensor, offs: Tensor, align: int) -> tuple[Tens
 
 def _register(name: str, fake, fake_bwd, backward, setup_context, flops, flops_bwd) -> None:
     """A forward / backward op pair's fakes, autograd and FLOP formulas."""
-    torch.library.register_fake(f"glm52::{name}")(fake)
-    torch.library.register_fake(f"glm52::{name}_bwd")(fake_bwd)
+    torch.library.register_fake(f"glm52::{name}")(announced(f"glm52::{name}")(fake))
+    torch.library.register_fake(f"glm52::{name}_bwd")(announced(f"glm52::{name}_bwd")(fake_bwd))
     torch.library.register_autograd(f"glm52::{name}", backward, setup_context=setup_context)
     register_flop_formula(getattr(torch.ops.glm52, name))(flops)
     register_flop_formula(getattr(torch.ops.glm52, f"{name}_bwd"))(flops_bwd)

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from ._trace import announced
+
 __all__ = ["sparse_mla", "sparse_mla_bwd", "ref_sparse_mla"]
 
 # Query rows per chunk keep one chunk's gathered [C, T, Dqk] latent and [C, H, T] scores bounded.
@@ -103,6 +105,7 @@ def sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int
 
 
 @sparse_mla.register_fake
+@announced("glm52::sparse_mla")
 def _(q, kv, indices, sm_scale, d_v):
     _check(q, kv, indices, d_v)
     S, H, _ = q.shape
@@ -117,6 +120,7 @@ def sparse_mla_bwd(q: Tensor, kv: Tensor, out: Tensor, dout: Tensor, indices: Te
 
 
 @sparse_mla_bwd.register_fake
+@announced("glm52::sparse_mla_bwd")
 def _(q, kv, out, dout, indices, lse, sm_scale, d_v):
     return torch.empty_like(q), torch.empty_like(kv)
 

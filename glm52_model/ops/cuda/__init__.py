@@ -17,7 +17,8 @@ Without TileLang these ops run their PyTorch reference kernels on CUDA too, each
 (:func:`._common.reference_fallback`). With TileLang, inputs the kernels do not take (dtypes other than
 bfloat16, other latent widths) also run the reference kernel, with a one-time warning.
 The ops must already be defined: ``glm52_model.ops`` imports the reference families first.
-Kernels are JIT-compiled on first use per shape family (a few seconds each) and cached by TileLang.
+Kernels are JIT-compiled per shape family (seconds each) and cached by TileLang; under torch.compile they are built
+ahead of their first call, in worker processes, from the inputs the ops' fakes see while traced (:mod:`.ahead`).
 """
 import torch
 

@@ -24,7 +24,9 @@ import tilelang
 import tilelang.language as T
 
 from ..dsa_topk import _check, _dsa_topk_kernel
+from .._trace import listen
 from ._common import cuda_target, pad_dim, round_up, warn_once
+from .ahead import listener, kernel_cache
 from .topk_select_tl import SelectConfig, compile_topk_select
 
 
@@ -400,7 +402,7 @@ _IN_DTYPES = {torch.bfloat16: T.bfloat16, torch.float8_e4m3fn: T.float8_e4m3fn}
 KERNEL_HEADS = frozenset({8, 16, 32, 64, 128})
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def compile_indexer_logits(heads: int, dim: int, target_arch: str = "sm_90a", in_dtype=torch.bfloat16,
                            config: LogitsConfig = LogitsConfig()):
     """The logits kernel for ``heads`` x ``dim`` inputs in ``in_dtype`` built for ``target_arch`` (cached)."""
@@ -446,6 +448,14 @@ def select_kernel(topk: int, target_arch: str, config: SelectConfig = SelectConf
     return compile_topk_select(topk, target_arch, config)
 
 
+def op_kernels(q: torch.Tensor, topk: int, config: TopkConfig = TopkConfig()) -> tuple:
+    """((compile function, its arguments) of the logits kernel, the same of the select) the op runs for q [S, H, D]
+    (of a dtype and head count the kernels take) and ``topk``."""
+    arch = cuda_target(q.device)["arch"]
+    return ((compile_indexer_logits, (q.shape[1], q.shape[2], arch, q.dtype, config.logits)),
+            (compile_topk_select, (topk, arch, config.select)))
+
+
 def ci_builds(target_arch: str = "sm_90a") -> dict:
     """name -> thunk building (not running) one kernel of this family for `target_arch` (CI), uncached: each
     register epilogue the op dispatches to and the op's select."""
@@ -486,8 +496,7 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     out = torch.empty(S, topk, dtype=torch.int32, device=q.device)
     if S == 0:
         return out
-    arch = cuda_target(q.device)["arch"]
-    kernels = (logits_kernel(H, D, q.dtype, arch, config.logits), select_kernel(topk, arch, config.select))
+    kernels = tuple(fn(*args) for fn, args in op_kernels(q, topk, config))
     Sk = k.shape[0]
     Skp = round_up(max(Sk, 1), BLOCK_N)
     k_pad = pad_dim(k.view(torch.uint8), 0, Skp).view(k.dtype)                  # fp8 pads as bytes
@@ -538,5 +547,14 @@ def _run_chunks(kernels, inputs, out: torch.Tensor, config: TopkConfig) -> None:
         main.wait_stream(side)      # before `bufs` and `held` go back to the caller stream's allocator
 
 
+def _topk_ahead(q, k, weights, starts, ends, topk, scale, k_scale=None):
+    H, D = q.shape[1], q.shape[2]
+    if (q.is_cuda and q.dtype in _IN_DTYPES and k.dtype == q.dtype and isinstance(H, int) and isinstance(D, int)
+            and H in KERNEL_HEADS):
+        for fn, args in op_kernels(q, topk):
+            fn.ahead(*args)
+
+
 def register() -> None:
     torch.library.register_kernel("glm52::dsa_topk_indices", "cuda")(dsa_topk_indices_tl)
+    listen("glm52::dsa_topk_indices", listener(_topk_ahead))

@@ -28,6 +28,8 @@ import tilelang
 import tilelang.language as T
 
 from ._common import cuda_target, round_up
+from .._trace import listen
+from .ahead import kernel_cache, listener
 
 FP8_MAX = 448.0
 INV_FP8_MAX = (torch.tensor(1.0) / torch.tensor(FP8_MAX)).item()   # the fp32 reciprocal, exact as a double
@@ -195,12 +197,21 @@ def build_quant_blocks(rows: int, cols: int, in_dtype=T.bfloat16, *, transpose: 
 # --------------------------------------------------------------------------------------------------
 # compile caches and CI builds
 # --------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _compiled(kind: str, shape: tuple, dtype: torch.dtype, arch: str, **options):
+@kernel_cache
+def _compiled(kind: str, shape: tuple, dtype: torch.dtype, arch: str, transpose: bool = False):
     """The ``kind`` kernel ("rows", "cols", "blocks") for inputs of ``shape`` (the builder's leading arguments) in
-    ``dtype``, with the builder's default config; ``options``: ``transpose`` for "blocks"."""
+    ``dtype``, with the builder's default config; ``transpose`` for "blocks" (the blocks of each matrix's
+    transpose)."""
     build = {"rows": build_quant_rows, "cols": build_quant_cols, "blocks": build_quant_blocks}[kind]
+    options = {"transpose": True} if transpose else {}
     return tilelang.compile(build(*shape, _DTYPES[dtype], **options), target={"kind": "cuda", "arch": arch})
+
+
+def quant_kernel(kind: str, x: torch.Tensor) -> tuple:
+    """The arguments of :func:`_compiled` for the kernel that quantises ``x`` as ``kind``: "rows" or "cols" of a
+    [R, C] activation (one kernel per width C), "blocks" or "blocks_t" (transposed) of a [..., N, K] weight."""
+    shape = tuple(x.shape[-2:]) if kind.startswith("blocks") else (x.shape[1],)
+    return kind.removesuffix("_t"), shape, x.dtype, cuda_target(x.device)["arch"], kind == "blocks_t"
 
 
 def ci_builds(target_arch: str = "sm_90a") -> dict:
@@ -214,6 +225,16 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
     }
     return {name: functools.partial(_compiled.__wrapped__, kind, shape, torch.bfloat16, target_arch, **options)
             for name, (kind, shape, options) in builds.items()}
+
+
+def build_ahead(*quantised: tuple) -> None:
+    """Start building (:mod:`.ahead`) the kernels of ``(kind, tensor)`` pairs (kinds of :func:`quant_kernel`) where
+    these kernels take every one of the tensors, as the CUDA ops decide; nothing for a symbolic width."""
+    if all(takes(x) for _, x in quantised):
+        for kind, x in quantised:
+            args = quant_kernel(kind, x)
+            if all(isinstance(d, int) for d in args[1]):
+                _compiled.ahead(*args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,7 +266,7 @@ def quant_rows(x: torch.Tensor, rmap: torch.Tensor, total: int) -> tuple[torch.T
     q = torch.empty(rows, kp, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, kp // TILE, dtype=torch.float32, device=x.device)
     if rows and x.shape[0]:
-        _compiled("rows", (cols,), x.dtype, cuda_target(x.device)["arch"])(x, rmap, q, s)
+        _compiled(*quant_kernel("rows", x))(x, rmap, q, s)
     elif rows:                                               # no input rows: all-zero tiles, as the kernel writes
         _zero_tiles(q, s)
     return q[:total], s[:total]
@@ -271,7 +292,7 @@ def quant_cols(x: torch.Tensor, rmap: torch.Tensor, tile_base: torch.Tensor,
     q = torch.empty(cols * rows // TILE, TILE, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(cols * rows // TILE, dtype=torch.float32, device=x.device)
     if rows and cols and x.shape[0]:
-        _compiled("cols", (cols,), x.dtype, cuda_target(x.device)["arch"])(x, rmap, tile_base, tile_width, q, s)
+        _compiled(*quant_kernel("cols", x))(x, rmap, tile_base, tile_width, q, s)
     elif rows and cols:
         _zero_tiles(q, s)
     return q.view(-1), s
@@ -287,12 +308,12 @@ def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor
     q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty(B, shape[1] // TILE, shape[2] // TILE, dtype=torch.float32, device=w.device)
     if B and N and K:
-        _compiled("blocks", (N, K), w.dtype, cuda_target(w.device)["arch"], transpose=transpose)(w, q, s)
+        _compiled(*quant_kernel("blocks_t" if transpose else "blocks", w))(w, q, s)
     return q, s
 
 
 __all__ = ["RowsConfig", "ColsConfig", "BlocksConfig", "build_quant_rows", "build_quant_cols", "build_quant_blocks",
-           "ci_builds", "takes", "row_map", "quant_rows", "quant_cols", "quant_blocks", "slot_tiles", "register",
+           "ci_builds", "quant_kernel", "build_ahead", "takes", "row_map", "quant_rows", "quant_cols", "quant_blocks", "slot_tiles", "register",
            "fp8_quantize_cuda", "tilelang_quantisers"]
 
 
@@ -382,3 +403,50 @@ def register() -> None:
     torch.library.register_kernel("glm52::fp8_grouped_mm_pair_bwd", "cuda")(fp8_grouped_mm_pair_bwd_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm_combine", "cuda")(fp8_grouped_mm_combine_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm_combine_bwd", "cuda")(fp8_grouped_mm_combine_bwd_cuda)
+    for op, fn in _LISTENERS.items():
+        listen(op, listener(fn))
+
+
+# what each op quantises with these kernels on CUDA, from its traced inputs: (kind, tensor) pairs for build_ahead
+_TILES = {"1x128": "rows", "1x128_t": "cols", "128x128": "blocks"}
+
+
+def _quantize_ahead(x, tiles):
+    if x.dim() == 2 and tiles in _TILES:
+        build_ahead((_TILES[tiles], x))
+
+
+def _quantize_pair_ahead(x):
+    if x.dim() == 2:
+        build_ahead(("rows", x), ("cols", x))
+
+
+def _grouped_ahead(x, w, offs, rows=None):
+    build_ahead(("rows", x), ("blocks_t", w))
+
+
+def _grouped_bwd_ahead(dy, x, w, offs, rows=None):
+    build_ahead(("cols", x), ("rows", dy), ("blocks", w), ("cols", dy))
+
+
+def _pair_ahead(x, w1, w2, offs, rows=None):
+    build_ahead(("rows", x), ("blocks_t", w1), ("blocks_t", w2))
+
+
+def _pair_bwd_ahead(dy1, dy2, x, w1, w2, offs, rows=None):
+    build_ahead(("cols", x), ("rows", dy1), ("blocks", w1), ("cols", dy1), ("rows", dy2), ("blocks", w2),
+                ("cols", dy2))
+
+
+def _combine_ahead(x, w, offs, order, weight):
+    build_ahead(("rows", x), ("blocks_t", w))
+
+
+def _combine_bwd_ahead(dout, x, w, offs, order, weight):
+    build_ahead(("rows", dout), ("blocks", w), ("cols", x), ("cols", dout))
+
+
+_LISTENERS = {"glm52::fp8_quantize": _quantize_ahead, "glm52::fp8_quantize_pair": _quantize_pair_ahead,
+              "glm52::fp8_grouped_mm": _grouped_ahead, "glm52::fp8_grouped_mm_bwd": _grouped_bwd_ahead,
+              "glm52::fp8_grouped_mm_pair": _pair_ahead, "glm52::fp8_grouped_mm_pair_bwd": _pair_bwd_ahead,
+              "glm52::fp8_grouped_mm_combine": _combine_ahead, "glm52::fp8_grouped_mm_combine_bwd": _combine_bwd_ahead}

@@ -27,7 +27,9 @@ import tilelang
 import tilelang.language as T
 
 from ..sparse_mla import _check, _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
+from .._trace import listen
 from ._common import cuda_target, next_pow2, pad_dim, round_up, warn_once
+from .ahead import kernel_cache, listener
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -828,14 +830,14 @@ def build_sparse_mla_bwd_ws(heads: int, topk: int, sm_scale: float, *, dim_qk: i
 # --------------------------------------------------------------------------------------------------
 def _compiler(build, config_type: type, pass_configs: dict):
     """A cached ``(heads, topk, sm_scale, target_arch, dim_qk, dim_v, config) -> kernel`` compiling ``build``'s
-    kernel (one per kernel, so that a test can tell which one ran)."""
-    @functools.lru_cache(maxsize=None)
+    kernel (one per kernel, so that a test can tell which one ran; named as the module's global it is assigned to,
+    which is how a build-ahead worker finds it)."""
     def compile_kernel(heads: int, topk: int, sm_scale: float, target_arch: str = "sm_90a", dim_qk: int = 576,
                        dim_v: int = 512, config: config_type = config_type()):
         return tilelang.compile(build(heads, topk, sm_scale, dim_qk=dim_qk, dim_v=dim_v, config=config),
                                 target={"kind": "cuda", "arch": target_arch}, pass_configs=pass_configs)
     compile_kernel.__name__ = compile_kernel.__qualname__ = f"compile_{build.__name__.removeprefix('build_')}"
-    return compile_kernel
+    return kernel_cache(compile_kernel)
 
 
 compile_sparse_mla_fwd = _compiler(build_sparse_mla_fwd, FwdConfig, FWD_PASS_CONFIGS)
@@ -864,6 +866,11 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
 # --------------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------------
+def _fits(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
+    """Whether the TileLang kernels take these (valid) inputs (:func:`_takes` says why not)."""
+    return q.dtype == kv.dtype == torch.bfloat16 and q.shape[-1] - d_v == 64 and d_v % 64 == 0
+
+
 def _takes(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> bool:
     """Whether the TileLang kernels take these (valid) inputs; warns once per op when they do not (the
     caller then runs the PyTorch kernel)."""
@@ -879,9 +886,31 @@ def _takes(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> bool:
     return True
 
 
-def _prep_indices(indices: torch.Tensor, block: int) -> torch.Tensor:
-    topk = indices.shape[1]
-    return pad_dim(indices.to(torch.int32), 1, round_up(max(topk, 1), block), value=-1)
+def _kernel(choice: tuple, heads: int, topk: int, sm_scale: float, arch: str, dim_qk: int, d_v: int) -> tuple:
+    """(compile function, its arguments) of the kernel a ``*_kernel_choice`` picked, for ``heads`` x ``topk``
+    inputs; the second argument is the slots the indices are padded to (a multiple of the kernel's block)."""
+    compile_kernel, kernel_config, block = choice
+    return compile_kernel, (heads, round_up(max(topk, 1), block), float(sm_scale), arch, dim_qk, d_v, kernel_config)
+
+
+def fwd_kernel(q: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+               config: SparseMlaConfig = SparseMlaConfig()) -> tuple:
+    """(compile function, its arguments) of the forward kernel the op runs for these inputs."""
+    Hp = padded_heads(q.shape[1])
+    return _kernel(fwd_kernel_choice(Hp, d_v, config), Hp, indices.shape[1], sm_scale, cuda_target(q.device)["arch"],
+                   q.shape[2], d_v)
+
+
+def bwd_kernel(q: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+               config: SparseMlaConfig = SparseMlaConfig()) -> tuple:
+    """(compile function, its arguments) of the backward kernel the op runs for these inputs."""
+    Hp = padded_heads(q.shape[1])
+    return _kernel(bwd_kernel_choice(Hp, d_v, config), Hp, indices.shape[1], sm_scale, cuda_target(q.device)["arch"],
+                   q.shape[2], d_v)
+
+
+def _pad_indices(indices: torch.Tensor, slots: int) -> torch.Tensor:
+    return pad_dim(indices.to(torch.int32), 1, slots, value=-1)
 
 
 def fwd_kernel_choice(padded_h: int, d_v: int, config: SparseMlaConfig) -> tuple:
@@ -900,11 +929,9 @@ def sparse_mla_tl(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_s
     if not _takes(q, kv, d_v, "glm52::sparse_mla"):
         return _sparse_mla_fwd_kernel(q, kv, indices, sm_scale, d_v)
     S, H, Dqk = q.shape
-    Hp = padded_heads(H)
-    compile_kernel, kernel_config, block = fwd_kernel_choice(Hp, d_v, config)
-    idx = _prep_indices(indices, block)
-    kernel = compile_kernel(Hp, idx.shape[1], float(sm_scale), cuda_target(q.device)["arch"], Dqk, d_v,
-                            kernel_config)
+    compile_kernel, args = fwd_kernel(q, indices, sm_scale, d_v, config)
+    Hp, idx = args[0], _pad_indices(indices, args[1])
+    kernel = compile_kernel(*args)
     qp = pad_dim(q, 1, Hp)
     out = torch.empty(S, Hp, d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(S, Hp, dtype=torch.float32, device=q.device)
@@ -950,11 +977,9 @@ def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     if not _takes(q, kv, d_v, "glm52::sparse_mla_bwd"):
         return _sparse_mla_bwd_kernel(q, kv, out, dout, indices, lse, sm_scale, d_v)
     S, H, Dqk = q.shape
-    Hp = padded_heads(H)
-    compile_chosen, kernel_config, block = bwd_kernel_choice(Hp, d_v, config)
-    idx = _prep_indices(indices, block)
-    kernel = (compile_kernel or compile_chosen)(Hp, idx.shape[1], float(sm_scale), cuda_target(q.device)["arch"],
-                                                Dqk, d_v, kernel_config)
+    compile_chosen, args = bwd_kernel(q, indices, sm_scale, d_v, config)
+    Hp, idx = args[0], _pad_indices(indices, args[1])
+    kernel = (compile_kernel or compile_chosen)(*args)
     delta = row_dot(out, dout, config.delta_chunk_bytes)  # [S, H]
     qp = pad_dim(q, 1, Hp)
     dop = pad_dim(dout.to(torch.bfloat16), 1, Hp)
@@ -976,10 +1001,30 @@ def sparse_mla_flops(S: int, H: int, topk: int, dim_qk: int = 576, dim_v: int = 
     return fwd, bwd
 
 
+def _static(q: torch.Tensor, indices: torch.Tensor) -> bool:
+    """Whether the sizes the kernels are built for (heads, widths, slots) are plain ints: a symbolic one is left
+    alone (computing with it would guard on it)."""
+    return all(isinstance(d, int) for d in (q.shape[1], q.shape[2], indices.shape[1]))
+
+
+def _fwd_ahead(q, kv, indices, sm_scale, d_v):
+    if q.is_cuda and _static(q, indices) and _fits(q, kv, d_v):
+        fn, args = fwd_kernel(q, indices, sm_scale, d_v)
+        fn.ahead(*args)
+
+
+def _bwd_ahead(q, kv, out, dout, indices, lse, sm_scale, d_v):
+    if q.is_cuda and _static(q, indices) and _fits(q, kv, d_v):
+        fn, args = bwd_kernel(q, indices, sm_scale, d_v)
+        fn.ahead(*args)
+
+
 def register() -> None:
     torch.library.register_kernel("glm52::sparse_mla", "cuda")(sparse_mla_tl)
     torch.library.register_kernel("glm52::sparse_mla_bwd", "cuda")(sparse_mla_bwd_tl)
+    listen("glm52::sparse_mla", listener(_fwd_ahead))
+    listen("glm52::sparse_mla_bwd", listener(_bwd_ahead))
 
 
 __all__ = ["FwdConfig", "FwdWsConfig", "BwdConfig", "BwdWsConfig", "SparseMlaConfig", "fwd_kernel_choice",
-           "bwd_kernel_choice", "sparse_mla_tl", "sparse_mla_bwd_tl", "row_dot", "sparse_mla_flops", "register"]
+           "bwd_kernel_choice", "fwd_kernel", "bwd_kernel", "sparse_mla_tl", "sparse_mla_bwd_tl", "row_dot", "sparse_mla_flops", "register"]

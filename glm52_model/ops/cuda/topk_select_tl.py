@@ -36,6 +36,7 @@ import tilelang
 import tilelang.language as T
 
 from ._common import next_pow2
+from .ahead import kernel_cache
 
 RADIX_BITS = 8
 RADIX = 1 << RADIX_BITS
@@ -861,7 +862,7 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
                 tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def compile_topk_select(topk: int, target_arch: str = "sm_90a", config: SelectConfig = SelectConfig()):
     """The select for ``topk`` built for ``target_arch`` (cached per arguments)."""
     return tilelang.compile(build_topk_select(topk, config), target={"kind": "cuda", "arch": target_arch},
