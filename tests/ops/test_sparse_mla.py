@@ -104,3 +104,30 @@ def test_cuda_kernels_the_ops_run(heads, d_v, pipelined):
     serial = tl.SparseMlaConfig(pipelined_fwd=False, pipelined_bwd=False)
     assert tl.fwd_kernel_choice(Hp, d_v, serial)[0] is tl.compile_sparse_mla_fwd
     assert tl.bwd_kernel_choice(Hp, d_v, serial)[0] is tl.compile_sparse_mla_bwd
+
+
+def test_deterministic_algorithms_run_the_pytorch_backward_instead_of_the_atomic_kernel(monkeypatch):
+    """The TileLang backward adds dKV with fp32 atomics (an order that varies from run to run); under
+    torch.use_deterministic_algorithms the CUDA kernel runs the PyTorch one (index_add_, deterministic there), with
+    a warning that says why. Called here on CPU tensors, which the launcher otherwise hands to the TileLang kernel."""
+    pytest.importorskip("tilelang", reason="TileLang not installed (pip install '.[cuda]')")
+    from glm52_model.ops.cuda import sparse_mla_tl as tl
+
+    q, kv, idx, scale, d_v = _inputs(S=16, H=4, D=128, d_v=64, T=8, dtype=torch.bfloat16)
+    out, lse = sparse_mla_mod._sparse_mla_fwd_kernel(q, kv, idx, scale, d_v)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
+
+    def picked(*args, **kwargs):
+        raise LookupError("the TileLang kernel was picked")
+    monkeypatch.setattr(tl, "bwd_kernel", picked)
+    with pytest.raises(LookupError, match="TileLang kernel was picked"):
+        tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, d_v)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.warns(UserWarning, match="use_deterministic_algorithms is on.*fp32 atomics"):
+            dq, dkv = tl.sparse_mla_bwd_tl(q, kv, out, dout, idx, lse, scale, d_v)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    r_dq, r_dkv = sparse_mla_mod._sparse_mla_bwd_kernel(q, kv, out, dout, idx, lse, scale, d_v)
+    assert torch.equal(dq, r_dq) and torch.equal(dkv, r_dkv)

@@ -47,6 +47,18 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
+def deterministic(op: str, why: str) -> bool:
+    """Whether ``torch.use_deterministic_algorithms`` is on, in which case ``op``'s CUDA kernel runs its PyTorch
+    kernel instead of the TileLang one (``why``: what in the TileLang kernel varies from run to run); warns once
+    per op when it does."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return False
+    warn_once(f"{op}:deterministic",
+              f"{op}: torch.use_deterministic_algorithms is on, so CUDA tensors run the PyTorch reference kernel "
+              f"(slower; the TileLang kernel {why})")
+    return True
+
+
 def reference_fallback(op: str, reference: Callable) -> Callable:
     """The CUDA kernel of `op` when TileLang is missing: warns once, then runs `reference` (the op's
     PyTorch kernel, which checks its inputs as the op does)."""

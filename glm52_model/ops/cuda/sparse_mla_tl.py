@@ -28,7 +28,7 @@ import tilelang.language as T
 
 from ..sparse_mla import _check, _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
 from .._trace import listen
-from ._common import cuda_target, next_pow2, pad_dim, round_up, warn_once
+from ._common import cuda_target, deterministic, next_pow2, pad_dim, round_up, warn_once
 from .ahead import kernel_cache, listener
 
 LOG2E = 1.4426950408889634
@@ -956,6 +956,11 @@ def row_dot(out: torch.Tensor, dout: torch.Tensor, chunk_bytes: int) -> torch.Te
     return delta
 
 
+# why the backward's TileLang kernels are not deterministic (torch.use_deterministic_algorithms runs the PyTorch one,
+# whose adds into dKV are index_add_: deterministic on CUDA in that mode)
+DKV_ATOMICS = "adds each query's dKV rows into dKV with fp32 atomics, in an order that varies from run to run"
+
+
 def bwd_kernel_choice(padded_h: int, d_v: int, config: SparseMlaConfig) -> tuple:
     """(compile function, its kernel config, the slots the indices are padded to) of the backward ``config`` runs
     at ``padded_h`` heads: the pipelined kernel walks the slots two blocks (one per shared stage) at a time."""
@@ -974,7 +979,7 @@ def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     the compile function of the kernel ``config`` picks (:func:`bwd_kernel_choice`; same signature), for a
     benchmark's ablation of that kernel."""
     _check(q, kv, indices, d_v)
-    if not _takes(q, kv, d_v, "glm52::sparse_mla_bwd"):
+    if not _takes(q, kv, d_v, "glm52::sparse_mla_bwd") or deterministic("glm52::sparse_mla_bwd", DKV_ATOMICS):
         return _sparse_mla_bwd_kernel(q, kv, out, dout, indices, lse, sm_scale, d_v)
     S, H, Dqk = q.shape
     compile_chosen, args = bwd_kernel(q, indices, sm_scale, d_v, config)
@@ -1014,7 +1019,7 @@ def _fwd_ahead(q, kv, indices, sm_scale, d_v):
 
 
 def _bwd_ahead(q, kv, out, dout, indices, lse, sm_scale, d_v):
-    if q.is_cuda and _static(q, indices) and _fits(q, kv, d_v):
+    if q.is_cuda and _static(q, indices) and _fits(q, kv, d_v) and not torch.are_deterministic_algorithms_enabled():
         fn, args = bwd_kernel(q, indices, sm_scale, d_v)
         fn.ahead(*args)
 
