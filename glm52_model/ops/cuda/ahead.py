@@ -35,8 +35,9 @@ from typing import Callable
 
 from ._common import warn_once
 
-# builds at once: each worker is one interpreter with torch and TileLang (about 1 GB), and each build is mostly one
-# core (TVM's passes, then nvcc); Inductor compiles its own kernels in a pool at the same time
+# builds at once: each worker is one interpreter with torch and TileLang (0.4 GB resident once imported, more while
+# it builds), and each build is mostly one core (TVM's passes, then nvcc); Inductor compiles its own kernels in a
+# pool at the same time
 WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 IDLE_S = 30.0       # a worker with nothing to build for this long exits
 
