@@ -209,3 +209,15 @@ def test_a_kernel_built_ahead_is_loaded_from_the_disk_cache_at_its_first_call(mo
         kernel = fp8_quant_tl._compiled(*args)
     assert len(loads) == 1 and loads[0] is kernel, loads
     assert ahead.first_calls()["built ahead"] == 1
+
+
+def test_a_build_ahead_that_does_not_finish_in_time_is_built_at_the_first_call(recorder, monkeypatch):
+    stand_ins.square.cache_clear()
+    monkeypatch.setattr(ahead, "WAIT_S", 0.01)
+    late = Future()                                                         # a worker that never answers
+    recorder.pending[("tests.support.build_ahead.square", (6, 0))] = late
+    before = ahead.first_calls()
+    with pytest.warns(UserWarning, match="took over 0 s in its worker; it is built here instead"):
+        assert stand_ins.square(6) == 36
+    after = ahead.first_calls()
+    assert after["compiled here"] == before["compiled here"] + 1 and after["built ahead"] == before["built ahead"]

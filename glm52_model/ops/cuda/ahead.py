@@ -17,7 +17,8 @@ Workers are subprocesses running this module's ``_main`` (their own interpreter:
 runs again, and they see no GPU), at most :data:`WORKERS`, started by the first builds and stopped
 :data:`IDLE_S` after the last. Nothing is built ahead where TileLang's disk cache is off (there would be nothing
 to load) or with ``GLM52_BUILD_AHEAD=0``. A build that fails in a worker is built again at its first call here,
-which raises the error where it belongs; a listener that fails warns once and tracing goes on.
+which raises the error where it belongs, and so is one that has not finished after :data:`WAIT_S` (with a warning);
+a listener that fails warns once and tracing goes on.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 from ._common import warn_once
@@ -40,6 +42,7 @@ from ._common import warn_once
 # pool at the same time
 WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 IDLE_S = 30.0       # a worker with nothing to build for this long exits
+WAIT_S = 600.0      # a first call waits this long for its build ahead, then builds it itself
 
 
 def enabled() -> bool:
@@ -159,7 +162,7 @@ def kernel_cache(fn: Callable) -> Callable:
         if kernel is None:
             fut = _WORKERS.waiting((name, key))
             # None, or the worker's error: then this compiles here and raises what it raises
-            ahead_ok = fut is not None and fut.result() is None
+            ahead_ok = fut is not None and _result(fut, name) is None
             _WORKERS.first_calls["built ahead" if ahead_ok else "compiled here"] += 1
             kernel = cache[key] = fn(*key)
         return kernel
@@ -173,6 +176,16 @@ def kernel_cache(fn: Callable) -> Callable:
     compile_kernel.ahead = ahead
     compile_kernel.cache_clear = cache.clear
     return compile_kernel
+
+
+def _result(fut: Future, name: str):
+    """The worker's answer, or a warning and "late" where it takes over WAIT_S (the build then runs here too)."""
+    try:
+        return fut.result(timeout=WAIT_S)
+    except FutureTimeout:
+        warn_once(f"build-ahead:late:{name}", f"glm52_model.ops.cuda.ahead: a build of {name} ahead of its first call "
+                                              f"took over {WAIT_S:.0f} s in its worker; it is built here instead")
+        return "late"
 
 
 def listener(fn: Callable) -> Callable:
