@@ -6,25 +6,16 @@ backward adds with atomics, so they differ from run to run by themselves).
 
 Each run is a fresh process with its own empty TileLang disk cache, so that nothing of another test's (or an earlier
 run's) kernels is found. Printed: each process's first step, and the builds' seconds in their workers."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.support.gpu_model import run_fresh
+
 STEP = r"""
-import json, sys, time, torch
-from glm52_model import GLM52Config, GLM52ForCausalLM
-from glm52_model.compile import apply_ac, apply_compile
+import json, time, torch
 from glm52_model.ops.cuda import ahead
-torch.manual_seed(0)
-cfg = GLM52Config.preset("bench", num_layers=1, mtp_layers=0, fp8=True, first_k_dense=0)
-with torch.device("cuda"):
-    model = GLM52ForCausalLM(cfg).to(torch.bfloat16)
-apply_compile(apply_ac(model, True))
-ids = torch.randint(0, cfg.vocab_size, (1, 4096), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+from tests.support.gpu_model import compiled_bench_model
+model, ids = compiled_bench_model(layers=1, seq=4096)
 t0 = time.perf_counter()
 loss = model(ids, labels=ids)
 loss.backward()
@@ -37,11 +28,7 @@ print("RESULT" + json.dumps({"first_step_s": time.perf_counter() - t0, "loss": l
 def _run(tmp_path, name, **env):
     cache = tmp_path / name
     cache.mkdir()
-    out = subprocess.run([sys.executable, "-c", STEP], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "TILELANG_CACHE_DIR": str(cache), **env})
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT"):])
+    return run_fresh(STEP, TILELANG_CACHE_DIR=str(cache), **env)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

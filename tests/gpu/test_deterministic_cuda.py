@@ -4,25 +4,16 @@ TileLang backward adds dKV with atomics, so in that mode the op runs its PyTorch
 so); the MoE's adds are ordered already (tests/gpu/test_moe_determinism_cuda.py).
 
 A fresh process: cuBLAS needs CUBLAS_WORKSPACE_CONFIG before its first handle to be deterministic."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.support.gpu_model import run_fresh
+
 STEPS = r"""
 import json, warnings, torch
-from glm52_model import GLM52Config, GLM52ForCausalLM
-from glm52_model.compile import apply_ac, apply_compile
+from tests.support.gpu_model import compiled_bench_model
 torch.use_deterministic_algorithms(True)
-torch.manual_seed(0)
-cfg = GLM52Config.preset("bench", num_layers=2, mtp_layers=0, fp8=True, first_k_dense=0)
-with torch.device("cuda"):
-    model = GLM52ForCausalLM(cfg).to(torch.bfloat16)
-apply_compile(apply_ac(model, True))
-ids = torch.randint(0, cfg.vocab_size, (1, 4096), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+model, ids = compiled_bench_model(layers=2, seq=4096)
 runs = []
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
@@ -43,11 +34,7 @@ print("RESULT" + json.dumps({"loss": [l0.item(), l1.item()], "same_loss": bool(t
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_two_compiled_steps_repeat_bit_for_bit_under_deterministic_algorithms():
     pytest.importorskip("tilelang")
-    out = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT"):])
+    r = run_fresh(STEPS, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     print(r)
     assert any("glm52::sparse_mla_bwd" in w for w in r["warned"]), r["warned"]
     assert r["same_loss"] and r["grads"] > 20 and r["differ"] == [], r
