@@ -448,6 +448,19 @@ def select_kernel(topk: int, target_arch: str, config: SelectConfig = SelectConf
     return compile_topk_select(topk, target_arch, config)
 
 
+def _refused(q: torch.Tensor, k: torch.Tensor) -> tuple | None:
+    """None where the kernels take these (valid) q and k, else (warning key, message)."""
+    if q.dtype not in _IN_DTYPES or k.dtype != q.dtype:
+        return ("glm52::dsa_topk_indices:dtype",
+                f"glm52::dsa_topk_indices: the TileLang kernel takes bfloat16 or float8_e4m3fn q and k; "
+                f"{q.dtype} / {k.dtype} inputs run the PyTorch reference kernel (slower) instead")
+    if q.shape[1] not in KERNEL_HEADS:
+        return (f"glm52::dsa_topk_indices:heads{q.shape[1]}",
+                f"glm52::dsa_topk_indices: the TileLang logits kernel takes {sorted(KERNEL_HEADS)} indexer heads; "
+                f"{q.shape[1]} heads run the PyTorch reference kernel (slower) instead")
+    return None
+
+
 def op_kernels(q: torch.Tensor, topk: int, config: TopkConfig = TopkConfig()) -> tuple:
     """((compile function, its arguments) of the logits kernel, the same of the select) the op runs for q [S, H, D]
     (of a dtype and head count the kernels take) and ``topk``."""
@@ -482,17 +495,11 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     descending score, -1 padded. Other q/k dtypes run the PyTorch kernel (the logits GEMM would round them).
     ``config``: the op's by default (a benchmark times others)."""
     _check(q, k, weights, starts, ends, topk, k_scale)
-    if q.dtype not in _IN_DTYPES or k.dtype != q.dtype:
-        warn_once("glm52::dsa_topk_indices:dtype",
-                  f"glm52::dsa_topk_indices: the TileLang kernel takes bfloat16 or float8_e4m3fn q and k; "
-                  f"{q.dtype} / {k.dtype} inputs run the PyTorch reference kernel (slower) instead")
+    refused = _refused(q, k)
+    if refused is not None:
+        warn_once(*refused)
         return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale, k_scale)
     S, H, D = q.shape
-    if H not in KERNEL_HEADS:
-        warn_once(f"glm52::dsa_topk_indices:heads{H}",
-                  f"glm52::dsa_topk_indices: the TileLang logits kernel takes {sorted(KERNEL_HEADS)} indexer heads; "
-                  f"{H} heads run the PyTorch reference kernel (slower) instead")
-        return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale, k_scale)
     out = torch.empty(S, topk, dtype=torch.int32, device=q.device)
     if S == 0:
         return out
@@ -549,8 +556,7 @@ def _run_chunks(kernels, inputs, out: torch.Tensor, config: TopkConfig) -> None:
 
 def _topk_ahead(q, k, weights, starts, ends, topk, scale, k_scale=None):
     H, D = q.shape[1], q.shape[2]
-    if (q.is_cuda and q.dtype in _IN_DTYPES and k.dtype == q.dtype and isinstance(H, int) and isinstance(D, int)
-            and H in KERNEL_HEADS):
+    if q.is_cuda and isinstance(H, int) and isinstance(D, int) and _refused(q, k) is None:
         for fn, args in op_kernels(q, topk):
             fn.ahead(*args)
 

@@ -866,24 +866,24 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
 # --------------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------------
-def _fits(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
-    """Whether the TileLang kernels take these (valid) inputs (:func:`_takes` says why not)."""
-    return q.dtype == kv.dtype == torch.bfloat16 and q.shape[-1] - d_v == 64 and d_v % 64 == 0
+def _refused(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> tuple | None:
+    """None where the TileLang kernels take these (valid) inputs, else (warning key, message)."""
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        return (f"{op}:dtype", f"{op}: the TileLang kernel takes bfloat16 q and kv; {q.dtype} / {kv.dtype} inputs "
+                               f"run the PyTorch reference kernel (slower) instead")
+    if q.shape[-1] - d_v != 64 or d_v % 64:
+        return (f"{op}:shape", f"{op}: the TileLang kernel wants a 64-wide rope tail (Dqk = d_v + 64, d_v a multiple "
+                               f"of 64); Dqk={q.shape[-1]}, d_v={d_v} run the PyTorch reference kernel (slower) instead")
+    return None
 
 
 def _takes(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> bool:
     """Whether the TileLang kernels take these (valid) inputs; warns once per op when they do not (the
     caller then runs the PyTorch kernel)."""
-    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
-        warn_once(f"{op}:dtype", f"{op}: the TileLang kernel takes bfloat16 q and kv; {q.dtype} / {kv.dtype} "
-                                 f"inputs run the PyTorch reference kernel (slower) instead")
-        return False
-    if q.shape[-1] - d_v != 64 or d_v % 64:
-        warn_once(f"{op}:shape", f"{op}: the TileLang kernel wants a 64-wide rope tail (Dqk = d_v + 64, d_v "
-                                 f"a multiple of 64); Dqk={q.shape[-1]}, d_v={d_v} run the PyTorch reference "
-                                 f"kernel (slower) instead")
-        return False
-    return True
+    refused = _refused(q, kv, d_v, op)
+    if refused is not None:
+        warn_once(*refused)
+    return refused is None
 
 
 def _kernel(choice: tuple, heads: int, topk: int, sm_scale: float, arch: str, dim_qk: int, d_v: int) -> tuple:
@@ -1013,13 +1013,14 @@ def _static(q: torch.Tensor, indices: torch.Tensor) -> bool:
 
 
 def _fwd_ahead(q, kv, indices, sm_scale, d_v):
-    if q.is_cuda and _static(q, indices) and _fits(q, kv, d_v):
+    if q.is_cuda and _static(q, indices) and _refused(q, kv, d_v, "glm52::sparse_mla") is None:
         fn, args = fwd_kernel(q, indices, sm_scale, d_v)
         fn.ahead(*args)
 
 
 def _bwd_ahead(q, kv, out, dout, indices, lse, sm_scale, d_v):
-    if q.is_cuda and _static(q, indices) and _fits(q, kv, d_v) and not torch.are_deterministic_algorithms_enabled():
+    if (q.is_cuda and _static(q, indices) and _refused(q, kv, d_v, "glm52::sparse_mla_bwd") is None
+            and not torch.are_deterministic_algorithms_enabled()):
         fn, args = bwd_kernel(q, indices, sm_scale, d_v)
         fn.ahead(*args)
 
