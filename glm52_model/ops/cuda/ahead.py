@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
+from .. import _trace
 from ._common import warn_once
 
 # builds at once: each worker is one interpreter with torch and TileLang (0.4 GB resident once imported, more while
@@ -188,9 +189,10 @@ def _result(fut: Future, name: str):
         return "late"
 
 
-def listener(fn: Callable) -> Callable:
-    """``fn`` as a listener of :func:`glm52_model.ops._trace.listen`: it runs only where :func:`enabled`, and an
-    error in it warns once (the kernels are then built at their first call, as without it)."""
+def on_trace(op: str, fn: Callable) -> None:
+    """``fn(*op's args)`` starts the builds a traced call of ``op`` will need (``compile_fn.ahead``): it listens to
+    ``op``'s fake (:func:`glm52_model.ops._trace.listen`), runs only where :func:`enabled`, and an error in it warns
+    once (the kernels are then built at their first call, as without it)."""
     @functools.wraps(fn)
     def listen(*args, **kwargs):
         try:
@@ -200,7 +202,13 @@ def listener(fn: Callable) -> Callable:
             warn_once(f"build-ahead:{fn.__qualname__}",
                       f"glm52_model.ops.cuda.ahead: starting kernel builds ahead failed in {fn.__qualname__} "
                       f"({e!r}); those kernels build at their first call instead")
-    return listen
+    _trace.listen(op, listen)
+
+
+def static(*sizes) -> bool:
+    """Whether every size a kernel would be built for is a plain int: a traced symbolic one is left alone (computing
+    with it would guard on it)."""
+    return all(isinstance(d, int) for d in sizes)
 
 
 def _main() -> None:

@@ -24,9 +24,8 @@ import tilelang
 import tilelang.language as T
 
 from ..dsa_topk import _check, _dsa_topk_kernel
-from .._trace import listen
 from ._common import cuda_target, pad_dim, round_up, warn_once
-from .ahead import listener, kernel_cache
+from .ahead import kernel_cache, on_trace, static
 from .topk_select_tl import SelectConfig, compile_topk_select
 
 
@@ -555,12 +554,11 @@ def _run_chunks(kernels, inputs, out: torch.Tensor, config: TopkConfig) -> None:
 
 
 def _topk_ahead(q, k, weights, starts, ends, topk, scale, k_scale=None):
-    H, D = q.shape[1], q.shape[2]
-    if q.is_cuda and isinstance(H, int) and isinstance(D, int) and _refused(q, k) is None:
+    if q.is_cuda and static(q.shape[1], q.shape[2]) and _refused(q, k) is None:
         for fn, args in op_kernels(q, topk):
             fn.ahead(*args)
 
 
 def register() -> None:
     torch.library.register_kernel("glm52::dsa_topk_indices", "cuda")(dsa_topk_indices_tl)
-    listen("glm52::dsa_topk_indices", listener(_topk_ahead))
+    on_trace("glm52::dsa_topk_indices", _topk_ahead)

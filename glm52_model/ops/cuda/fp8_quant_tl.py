@@ -28,8 +28,7 @@ import tilelang
 import tilelang.language as T
 
 from ._common import cuda_target, round_up
-from .._trace import listen
-from .ahead import kernel_cache, listener
+from .ahead import kernel_cache, on_trace, static
 
 FP8_MAX = 448.0
 INV_FP8_MAX = (torch.tensor(1.0) / torch.tensor(FP8_MAX)).item()   # the fp32 reciprocal, exact as a double
@@ -233,7 +232,7 @@ def build_ahead(*quantised: tuple) -> None:
     if all(takes(x) for _, x in quantised):
         for kind, x in quantised:
             args = quant_kernel(kind, x)
-            if all(isinstance(d, int) for d in args[1]):
+            if static(*args[1]):
                 _compiled.ahead(*args)
 
 
@@ -313,8 +312,8 @@ def quant_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor
 
 
 __all__ = ["RowsConfig", "ColsConfig", "BlocksConfig", "build_quant_rows", "build_quant_cols", "build_quant_blocks",
-           "ci_builds", "quant_kernel", "build_ahead", "takes", "row_map", "quant_rows", "quant_cols", "quant_blocks", "slot_tiles", "register",
-           "fp8_quantize_cuda", "tilelang_quantisers"]
+           "ci_builds", "quant_kernel", "build_ahead", "takes", "row_map", "quant_rows", "quant_cols", "quant_blocks",
+           "slot_tiles", "register", "fp8_quantize_cuda", "tilelang_quantisers"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,7 +403,7 @@ def register() -> None:
     torch.library.register_kernel("glm52::fp8_grouped_mm_combine", "cuda")(fp8_grouped_mm_combine_cuda)
     torch.library.register_kernel("glm52::fp8_grouped_mm_combine_bwd", "cuda")(fp8_grouped_mm_combine_bwd_cuda)
     for op, fn in _LISTENERS.items():
-        listen(op, listener(fn))
+        on_trace(op, fn)
 
 
 # what each op quantises with these kernels on CUDA, from its traced inputs: (kind, tensor) pairs for build_ahead

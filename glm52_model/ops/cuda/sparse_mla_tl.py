@@ -27,9 +27,8 @@ import tilelang
 import tilelang.language as T
 
 from ..sparse_mla import _check, _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
-from .._trace import listen
 from ._common import cuda_target, deterministic, next_pow2, pad_dim, round_up, warn_once
-from .ahead import kernel_cache, listener
+from .ahead import kernel_cache, on_trace, static
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -873,7 +872,8 @@ def _refused(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> tuple | No
                                f"run the PyTorch reference kernel (slower) instead")
     if q.shape[-1] - d_v != 64 or d_v % 64:
         return (f"{op}:shape", f"{op}: the TileLang kernel wants a 64-wide rope tail (Dqk = d_v + 64, d_v a multiple "
-                               f"of 64); Dqk={q.shape[-1]}, d_v={d_v} run the PyTorch reference kernel (slower) instead")
+                               f"of 64); Dqk={q.shape[-1]}, d_v={d_v} run the PyTorch reference kernel (slower) "
+                               f"instead")
     return None
 
 
@@ -1006,20 +1006,14 @@ def sparse_mla_flops(S: int, H: int, topk: int, dim_qk: int = 576, dim_v: int = 
     return fwd, bwd
 
 
-def _static(q: torch.Tensor, indices: torch.Tensor) -> bool:
-    """Whether the sizes the kernels are built for (heads, widths, slots) are plain ints: a symbolic one is left
-    alone (computing with it would guard on it)."""
-    return all(isinstance(d, int) for d in (q.shape[1], q.shape[2], indices.shape[1]))
-
-
 def _fwd_ahead(q, kv, indices, sm_scale, d_v):
-    if q.is_cuda and _static(q, indices) and _refused(q, kv, d_v, "glm52::sparse_mla") is None:
+    if q.is_cuda and static(*q.shape[1:], indices.shape[1]) and _refused(q, kv, d_v, "glm52::sparse_mla") is None:
         fn, args = fwd_kernel(q, indices, sm_scale, d_v)
         fn.ahead(*args)
 
 
 def _bwd_ahead(q, kv, out, dout, indices, lse, sm_scale, d_v):
-    if (q.is_cuda and _static(q, indices) and _refused(q, kv, d_v, "glm52::sparse_mla_bwd") is None
+    if (q.is_cuda and static(*q.shape[1:], indices.shape[1]) and _refused(q, kv, d_v, "glm52::sparse_mla_bwd") is None
             and not torch.are_deterministic_algorithms_enabled()):
         fn, args = bwd_kernel(q, indices, sm_scale, d_v)
         fn.ahead(*args)
@@ -1028,9 +1022,10 @@ def _bwd_ahead(q, kv, out, dout, indices, lse, sm_scale, d_v):
 def register() -> None:
     torch.library.register_kernel("glm52::sparse_mla", "cuda")(sparse_mla_tl)
     torch.library.register_kernel("glm52::sparse_mla_bwd", "cuda")(sparse_mla_bwd_tl)
-    listen("glm52::sparse_mla", listener(_fwd_ahead))
-    listen("glm52::sparse_mla_bwd", listener(_bwd_ahead))
+    on_trace("glm52::sparse_mla", _fwd_ahead)
+    on_trace("glm52::sparse_mla_bwd", _bwd_ahead)
 
 
 __all__ = ["FwdConfig", "FwdWsConfig", "BwdConfig", "BwdWsConfig", "SparseMlaConfig", "fwd_kernel_choice",
-           "bwd_kernel_choice", "fwd_kernel", "bwd_kernel", "sparse_mla_tl", "sparse_mla_bwd_tl", "row_dot", "sparse_mla_flops", "register"]
+           "bwd_kernel_choice", "fwd_kernel", "bwd_kernel", "sparse_mla_tl", "sparse_mla_bwd_tl", "row_dot",
+           "sparse_mla_flops", "register"]

@@ -29,7 +29,6 @@ the gather's order. Keys are the scores as uint32 whose unsigned order is the fl
 The measured alternatives to these choices are in docs/kernels.md.
 """
 
-import functools
 from dataclasses import dataclass
 
 import tilelang
