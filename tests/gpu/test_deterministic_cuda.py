@@ -1,7 +1,8 @@
 """torch.use_deterministic_algorithms on the GPU: two steps of a compiled 2-layer GLM-5.2 bench model (FP8 linears
 and experts, the top-k, sparse MLA, Inductor) give the same loss and the same gradients, bit for bit. Sparse MLA's
-TileLang backward adds dKV with atomics, so in that mode the op runs its PyTorch backward (a one-time warning says
-so); the MoE's adds are ordered already (tests/gpu/test_moe_determinism_cuda.py).
+TileLang backward adds dKV with atomics and the top-k's select gives ties at the k-th score to the keys its atomics
+gathered first, so in that mode both ops run their PyTorch kernels (a one-time warning each says so); the MoE's adds
+are ordered already (tests/gpu/test_moe_determinism_cuda.py).
 
 A fresh process: cuBLAS needs CUBLAS_WORKSPACE_CONFIG before its first handle to be deterministic."""
 import pytest
@@ -37,4 +38,5 @@ def test_two_compiled_steps_repeat_bit_for_bit_under_deterministic_algorithms():
     r = run_fresh(STEPS, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     print(r)
     assert any("glm52::sparse_mla_bwd" in w for w in r["warned"]), r["warned"]
+    assert any("glm52::dsa_topk_indices" in w for w in r["warned"]), r["warned"]
     assert r["same_loss"] and r["grads"] > 20 and r["differ"] == [], r

@@ -150,3 +150,28 @@ def test_fp8_indexer_in_the_model_keeps_the_same_op_and_must_save():
     with OpCounter(OP) as calls:
         model(ids, labels=ids).backward()
     assert calls.backward == 0 and calls.forward == 2
+
+
+def test_deterministic_algorithms_run_the_pytorch_kernel_instead_of_the_select_with_gathered_ties(monkeypatch):
+    """The TileLang select gives ties at the k-th score, on its radix paths, to the keys its atomics gathered first;
+    under torch.use_deterministic_algorithms the CUDA kernel runs the PyTorch one (torch.topk, deterministic),
+    with a warning that says why. Called here on CPU tensors, which the launcher
+    otherwise hands to the TileLang kernels."""
+    pytest.importorskip("tilelang", reason="TileLang not installed (pip install '.[cuda]')")
+    from glm52_model.ops.cuda import dsa_topk_tl as tl
+
+    q, k, w, starts, ends = _inputs(S=40, H=32, D=128, cu=(0, 40), dtype=torch.bfloat16)
+
+    def picked(*args, **kwargs):
+        raise LookupError("the TileLang kernels were picked")
+    monkeypatch.setattr(tl, "op_kernels", picked)
+    with pytest.raises(LookupError, match="TileLang kernels were picked"):
+        tl.dsa_topk_indices_tl(q, k, w, starts, ends, 16, 0.5)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.warns(UserWarning, match="use_deterministic_algorithms is on.*ties at the k-th score"):
+            ids = tl.dsa_topk_indices_tl(q, k, w, starts, ends, 16, 0.5)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(ids, dsa_topk._dsa_topk_kernel(q, k, w, starts, ends, 16, 0.5))
