@@ -30,7 +30,8 @@ first in the same command); ``model_plan_auto`` is ``sacpass.ModelPlan()`` with 
 (its first step runs the policy alone while it counts the layers; the plan compiles in the first warm-up step);
 ``model_plan_fp8`` is the same as ``model_plan`` with ``compress="fp8"`` and ``model_plan_auto_fp8`` as
 ``model_plan_auto`` (lossy: the values sent to the host go FP8-packed, but for those ``--exact`` names, by default
-those the backward is sensitive to; compare its loss with control's).
+those the backward is sensitive to; compare its loss with control's); ``model_plan_int8`` and
+``model_plan_auto_int8`` likewise with ``compress="int8"``.
 ``name:x`` sweeps a variant's parameter: ``model_plan:16`` keeps up to 16
 GiB on the device, ``pytorch_budget:0.05`` runs PyTorch's solver at 0.05; ``name@g`` runs it under an offload
 prefetch limit of g GiB (``sacpass.offload.set_prefetch_limit``; ``@inf``: none). ``--profile`` adds one
@@ -116,6 +117,10 @@ def backends(args) -> dict:
         "model_plan_auto": lambda _: sacpass.backend(inner=inner, plan=sacpass.ModelPlan(peak_bytes=peak_bytes(args))),
         "model_plan_auto_fp8": lambda _: sacpass.backend(inner=inner, plan=sacpass.ModelPlan(
             peak_bytes=peak_bytes(args), compress="fp8", exact=exact_values(args))),
+        "model_plan_int8": lambda x: sacpass.backend(
+            inner=inner, plan=model_plan(args, args.gpu_gib if x is None else x, compress="int8")),
+        "model_plan_auto_int8": lambda _: sacpass.backend(inner=inner, plan=sacpass.ModelPlan(
+            peak_bytes=peak_bytes(args), compress="int8", exact=exact_values(args))),
         "budget": lambda x: sacpass.backend(inner=inner, memory_budget=args.budget if x is None else x),
         "pytorch_budget": lambda _: inner,
         "pytorch_budget_ilp": lambda _: inner,
@@ -661,7 +666,7 @@ def main(argv=None) -> dict:
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
     p.add_argument("--exact", default="sensitive",
-                   help="model_plan_fp8 / model_plan_auto_fp8: the values sent to the host unpacked: 'sensitive' (the "
+                   help="the packing variants (model_plan_fp8, model_plan_auto_int8, ...): the values sent to the host unpacked: 'sensitive' (the "
                         "default: those the backward is sensitive to), 'none' (every floating value packed), or "
                         "comma-separated op selectors (ModelPlan(exact=), e.g. glm52::sparse_mla)")
     p.add_argument("--peak-gib", default=None, type=gib_or_control,

@@ -11,7 +11,7 @@ needs matplotlib. ``benchmarks/results_page.py`` draws the results page's fronti
 
 ``--against-control``: every ``bench_model.py`` row beside the full recompute (``control``) of its own file, so
 that files measured at different times share one picture: step time and peak memory (allocated, and reserved)
-as shares of that control's, one pair of panels per model shape; FP8-packed offload (lossy) drawn apart from
+as shares of that control's, one pair of panels per model shape; packed offload (lossy) drawn apart from
 the exact variants, rows measured under another allocator configuration left out.
 """
 from __future__ import annotations
@@ -98,11 +98,18 @@ def draw(panel_list: list[tuple[str, dict]], path: str, title: str = "memory-spe
 
 
 # ------------------------------------------------------------------------------------- against control
-LOSSY = ("model_plan_fp8",)  # bench_model variants whose offloaded values come back close to, not equal to, the forward's
+# bench_model variants whose offloaded values come back close to, not equal to, the forward's: their packing
+PACKED = {"model_plan_fp8": "FP8", "model_plan_auto_fp8": "FP8", "model_plan_int8": "INT8",
+          "model_plan_auto_int8": "INT8"}
+
+
+def packing(variant: str) -> str | None:
+    """The packing format (``"FP8"``, ``"INT8"``) of a lossy variant's offloaded values, None for an exact one."""
+    return PACKED.get(variant.split("@")[0].split(":")[0])
 
 
 def is_lossy(variant: str) -> bool:
-    return variant.split("@")[0].split(":")[0] in LOSSY
+    return packing(variant) is not None
 
 
 def _allocator(command: str) -> str:
@@ -137,7 +144,7 @@ def against_control(results: list[tuple[str, dict]]) -> dict[tuple[int, int], li
             groups.setdefault((args.get("layers"), args.get("seq")), []).append({
                 "file": name, "variant": variant, "step": share("step_ms_median"),
                 "allocated": share("peak_allocated_gib"), "reserved": share("peak_reserved_gib"),
-                "status": "ok" if ran else row.get("status", "failed"), "lossy": is_lossy(variant),
+                "status": "ok" if ran else row.get("status", "failed"), "lossy": is_lossy(variant), "packing": packing(variant),
                 "allocator": _allocator(row.get("command") or default_command),
                 "loss_diff": loss - control["loss"] if ran and loss is not None and control.get("loss") is not None
                 else None})
@@ -159,7 +166,7 @@ def solver_note_against_control(rows: list[dict], memory: str) -> list[str]:
 def draw_against_control(groups: dict[tuple[int, int], list[dict]], path: str,
                          title: str = "whole model against full recompute, H200") -> str:
     """Two panels per model shape (peak allocated, peak reserved): each row as (its peak / control's, its step /
-    control's), exact variants as dots and FP8-packed (lossy) ones as triangles; the default allocator's rows
+    control's), exact variants as dots and packed (lossy) ones as triangles; the default allocator's rows
     only. Lower left of the dashed lines: faster than full recompute at less memory. Rows that did not run are
     named in the panel, and where PyTorch's solver stops beside the lowest plan (:func:`solver_note`). Same
     bytes for the same input and matplotlib."""
@@ -195,7 +202,7 @@ def draw_against_control(groups: dict[tuple[int, int], list[dict]], path: str,
             ax.set_ylabel("step time / full recompute's")
             ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], ls="", marker="o", color="tab:blue", label="exact"),
-               plt.Line2D([], [], ls="", marker="^", color="tab:red", label="FP8-packed offload (lossy)"),
+               plt.Line2D([], [], ls="", marker="^", color="tab:red", label="packed offload (lossy)"),
                plt.Line2D([], [], ls="", marker="s", color="k", label="full recompute (each file's own)")]
     fig.suptitle(f"{title} (lower left is better)", fontsize=10)
     fig.legend(handles=handles, fontsize=7, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 0.975), frameon=False)

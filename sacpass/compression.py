@@ -1,12 +1,20 @@
-"""Lossy FP8 packing of floating activations, for the offload runtime's ``ModelPlan(compress="fp8")``.
+"""Lossy 8-bit packing of floating activations, for the offload runtime's ``ModelPlan(compress=...)``.
 
 A value of ``n`` elements (bf16, fp16 or fp32), read in row-major order, is cut into tiles of 128 consecutive
-elements; each tile keeps one fp32 scale, ``amax * (1 / 448)``, and its elements as float8 e4m3 (``x / scale``,
-rounded to nearest). The packed form takes ``n + 4 * ceil(n / 128)`` bytes: 0.52 of a bf16 value, 0.26 of an
-fp32 one. Unpacking multiplies back: within a tile, an element comes back within 1/16 of its own magnitude
-(three mantissa bits), and elements below ``amax * 2**-9`` within ``amax * 2**-10`` (e4m3's subnormals). A tile
-holding an inf or a NaN comes back as NaN: a step that overflowed stays visibly broken. Integer and bool values
-(indices, masks: discrete decisions) are never packed: :func:`pack` refuses them.
+elements; each tile keeps one fp32 scale and its elements in one byte each, in one of two formats
+(:data:`FORMATS`):
+
+- ``"fp8"``: float8 e4m3, the scale ``amax * (1 / 448)``, elements ``x / scale`` rounded to nearest. An element
+  comes back within 1/16 of its own magnitude (three mantissa bits), and elements below ``amax * 2**-9`` within
+  ``amax * 2**-10`` (e4m3's subnormals): a relative error whatever the element's size in its tile.
+- ``"int8"``: the scale ``amax * (1 / 127)``, elements ``floor(x / scale + 1/2)`` as int8. Every element comes back
+  within ``amax / 254`` of itself: an absolute error, about a quarter of e4m3's on Gaussian-like tiles (1/128 of
+  the tile's largest element against e4m3's 1/16 of each element's own), larger on an element much smaller than
+  an outlier in its tile.
+
+The packed form takes ``n + 4 * ceil(n / 128)`` bytes in either: 0.52 of a bf16 value, 0.26 of an fp32 one. A
+tile holding an inf or a NaN comes back as NaN: a step that overflowed stays visibly broken. Integer and bool
+values (indices, masks: discrete decisions) are never packed: :func:`pack` refuses them.
 
 On a GPU the tile loop is one Triton kernel each way (what the runtime runs); elsewhere, and as the reference
 the GPU kernels are tested against, the same arithmetic in PyTorch ops, a bounded chunk at a time.
@@ -20,12 +28,11 @@ from torch import Tensor
 
 from .errors import OffloadError
 
-__all__ = ["COMPRESSIBLE", "TILE", "BF16_RATIO", "packed_bytes", "pack", "unpack", "pack_reference", "unpack_reference"]
+__all__ = ["COMPRESSIBLE", "FORMATS", "TILE", "BF16_RATIO", "packed_bytes", "pack", "unpack", "pack_reference",
+           "unpack_reference"]
 
 TILE = 128  # elements per scale
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-_INV_MAX = 1.0 / FP8_MAX  # scale = amax * this, in fp32 (the same rounding on every device)
+FORMATS = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # format: (element dtype, largest)
 COMPRESSIBLE = (torch.bfloat16, torch.float16, torch.float32)
 BF16_RATIO = (1 + 4 / TILE) / 2  # packed bytes per byte of a bf16 value
 _CHUNK = 1 << 24  # elements per step of the PyTorch path (its fp32 temporaries stay at 64 MiB)
@@ -36,25 +43,32 @@ def packed_bytes(numel: int) -> int:
     return numel + 4 * (-(-numel // TILE))
 
 
+def _format(fmt: str) -> tuple[torch.dtype, float]:
+    if fmt not in FORMATS:
+        raise OffloadError(f"sacpass: {fmt!r} is not a packing format; pass one of {', '.join(map(repr, FORMATS))}.")
+    return FORMATS[fmt]
+
+
 def _check(x: Tensor) -> None:
     if x.dtype not in COMPRESSIBLE:
-        raise OffloadError(f"sacpass: FP8 compression packs floating activations ({', '.join(map(str, COMPRESSIBLE))}); "
+        raise OffloadError(f"sacpass: 8-bit compression packs floating activations ({', '.join(map(str, COMPRESSIBLE))}); "
                            f"a {x.dtype} value {tuple(x.shape)} is not one (indices and masks are discrete decisions "
                            f"and are never compressed). Offload it as it is.")
 
 
-def _scales(tiles: Tensor) -> Tensor:
+def _scales(tiles: Tensor, largest: float) -> Tensor:
     amax = tiles.abs().amax(dim=-1)
-    return torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))  # a product, as the kernel computes it
+    # amax * (1 / largest) in fp32: a product, the same rounding on every device, as the kernel computes it
+    return torch.where(amax > 0, amax * (1.0 / largest), torch.ones_like(amax))
 
 
-def _empty_packed(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _empty_packed(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``x``'s elements in row-major order (a view when ``x`` is contiguous, else a copy), and its packed
-    form's buffers: the float8 elements and the fp32 scales."""
+    form's buffers: the one-byte elements (``dtype``) and the fp32 scales."""
     flat = x.reshape(-1)
     n = flat.numel()
-    return flat, torch.empty(n, dtype=FP8, device=x.device), torch.empty(-(-n // TILE), dtype=torch.float32,
-                                                                         device=x.device)
+    return flat, torch.empty(n, dtype=dtype, device=x.device), torch.empty(-(-n // TILE), dtype=torch.float32,
+                                                                           device=x.device)
 
 
 def _chunks(flat: Tensor):
@@ -65,13 +79,18 @@ def _chunks(flat: Tensor):
         yield start, part.numel(), torch.nn.functional.pad(part, (0, -part.numel() % TILE)).view(-1, TILE)
 
 
-def pack_reference(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(elements as float8 e4m3 [n], scales as fp32 [ceil(n / 128)]) in PyTorch ops; see the module docstring."""
+def pack_reference(x: Tensor, fmt: str = "fp8") -> tuple[Tensor, Tensor]:
+    """(elements [n] in ``fmt``'s dtype, scales as fp32 [ceil(n / 128)]) in PyTorch ops; see the module
+    docstring."""
+    dtype, largest = _format(fmt)
     _check(x)
-    flat, q, s = _empty_packed(x)
+    flat, q, s = _empty_packed(x, dtype)
     for start, m, tiles in _chunks(flat):
-        scale = _scales(tiles)
-        q[start:start + m] = (tiles / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(-1)[:m]
+        scale = _scales(tiles, largest)
+        vals = (tiles / scale[:, None]).clamp_(-largest, largest)
+        if not dtype.is_floating_point:
+            vals = torch.floor(vals + 0.5)
+        q[start:start + m] = vals.to(dtype).view(-1)[:m]
         s[start // TILE:start // TILE + scale.numel()] = scale
     return q, s
 
@@ -95,7 +114,8 @@ def _kernels():
         return None
 
     @triton.jit
-    def pack_kernel(x_ptr, q_ptr, s_ptr, n, INV_MAX: tl.constexpr, ROWS: tl.constexpr, TILE_: tl.constexpr):
+    def pack_kernel(x_ptr, q_ptr, s_ptr, n, LARGEST: tl.constexpr, INV_MAX: tl.constexpr, INT: tl.constexpr,
+                    ROWS: tl.constexpr, TILE_: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * TILE_ + tl.arange(0, TILE_)[None, :]
         mask = offs < n
@@ -103,8 +123,10 @@ def _kernels():
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0, amax * INV_MAX, 1.0)
         vals = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        vals = tl.minimum(tl.maximum(vals, -448.0), 448.0)
-        tl.store(q_ptr + offs, vals.to(tl.float8e4nv), mask=mask)
+        vals = tl.minimum(tl.maximum(vals, -LARGEST), LARGEST)
+        if INT:
+            vals = tl.floor(vals + 0.5)
+        tl.store(q_ptr + offs, vals.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + rows, scale, mask=rows * TILE_ < n)
 
     @triton.jit
@@ -126,22 +148,26 @@ def _use_triton(x: Tensor) -> bool:
     return x.is_cuda and _kernels() is not None
 
 
-def pack(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x`` packed: (float8 e4m3 elements [n], fp32 scales [ceil(n / 128)]), on ``x``'s device and stream."""
+def pack(x: Tensor, fmt: str = "fp8") -> tuple[Tensor, Tensor]:
+    """``x`` packed in ``fmt`` (:data:`FORMATS`): (its one-byte elements [n], fp32 scales [ceil(n / 128)]), on
+    ``x``'s device and stream."""
+    dtype, largest = _format(fmt)
     _check(x)
     if not _use_triton(x):
-        return pack_reference(x)
+        return pack_reference(x, fmt)
     triton, pack_kernel, _ = _kernels()
-    flat, q, s = _empty_packed(x)
+    flat, q, s = _empty_packed(x, dtype)
     n = flat.numel()
     if n:
         with torch.cuda.device(x.device):
-            pack_kernel[(triton.cdiv(s.numel(), _ROWS),)](flat, q, s, n, INV_MAX=_INV_MAX, ROWS=_ROWS, TILE_=TILE)
+            pack_kernel[(triton.cdiv(s.numel(), _ROWS),)](flat, q, s, n, LARGEST=largest, INV_MAX=1.0 / largest,
+                                                          INT=not dtype.is_floating_point, ROWS=_ROWS, TILE_=TILE)
     return q, s
 
 
 def unpack(q: Tensor, s: Tensor, out: Tensor) -> Tensor:
-    """Write the values ``q`` and ``s`` pack into ``out`` (the value's shape, strides and dtype); returns ``out``."""
+    """Write the values ``q`` and ``s`` pack into ``out`` (the value's shape, strides and dtype); returns ``out``.
+    The format is ``q``'s dtype."""
     if not out.is_contiguous():  # the packed form is row-major
         return out.copy_(unpack(q, s, torch.empty(out.shape, dtype=out.dtype, device=out.device)))
     if not _use_triton(out):

@@ -16,7 +16,7 @@ import torch
 
 from . import calibration
 from .calibration import CostModel
-from .compression import BF16_RATIO
+from .compression import BF16_RATIO, FORMATS
 from .errors import BackendOptionError
 from .offload.plans import declare
 
@@ -134,13 +134,15 @@ class ModelPlan:
     cost:      the cost model; None (the default): measured on the device (:func:`sacpass.calibration.calibrate`:
                copy rates each way, matrix rates, memory bandwidth, kept in the compile cache's directory so a
                restart reuses them) with the first step's op times where it counted the regions.
-    compress:  None (default): values go to the host as they are, and come back bit for bit. ``"fp8"``: the
-               floating values sent to the host go FP8-packed (float8 e4m3, one fp32 scale per 128 elements:
-               0.52 of a bf16 value's bytes, :mod:`sacpass.compression`) and come back rebuilt in their dtype.
-               Lossy: each element within 1/16 of its magnitude, so the backward reads values close to, not
-               equal to, the forward's; the planner counts the packed bytes against ``host_bytes`` and the copy
-               window, so about twice as much fits. Values kept on the device, and integer and bool values
-               (indices, masks: discrete decisions), are never packed.
+    compress:  None (default): values go to the host as they are, and come back bit for bit. ``"fp8"`` or
+               ``"int8"``: the floating values sent to the host go packed, one byte an element and one fp32 scale
+               per 128 (0.52 of a bf16 value's bytes, :mod:`sacpass.compression`), and come back rebuilt in their
+               dtype. Lossy: ``"fp8"`` (float8 e4m3) brings each element back within 1/16 of its own magnitude,
+               ``"int8"`` within 1/254 of the largest in its 128 (closer on Gaussian-like values, coarser on small
+               elements beside an outlier), so the backward reads values close to, not equal to, the forward's;
+               the planner counts the packed bytes against ``host_bytes`` and the copy window, so about twice as
+               much fits. Values kept on the device, and integer and bool values (indices, masks: discrete
+               decisions), are never packed.
     exact:     with ``compress``, the values sent to the host as they are, bit for bit, while the rest go packed.
                None (the default): the values the backward is sensitive to, those it sums times their own
                gradient (attention's ``rowsum(out * dout)``, softmax's ``sum(y * dy)``: differences of near-equal
@@ -192,10 +194,10 @@ class ModelPlan:
                                      f"memory less a margin, or no cap with gpu_bytes given) or an int > 0: the "
                                      f"device memory the step may peak at, e.g. full recompute's "
                                      f"torch.cuda.max_memory_allocated().")
-        if self.compress not in (None, "fp8"):
+        if self.compress is not None and self.compress not in FORMATS:
             raise BackendOptionError(f"sacpass: ModelPlan(compress={self.compress!r}) is not a compression; pass None "
-                                     f"(values go to the host as they are, the default) or 'fp8' (floating values "
-                                     f"go FP8-packed, lossy).")
+                                     f"(values go to the host as they are, the default), 'fp8' or 'int8' (floating "
+                                     f"values go packed in that format, lossy).")
         if not isinstance(self.inputs, bool):
             raise BackendOptionError(f"sacpass: ModelPlan(inputs={self.inputs!r}) must be True (place the regions' "
                                      f"activation inputs too) or False (keep them on the device).")
@@ -292,8 +294,8 @@ def _exact_selectors(exact, compress) -> tuple:
     sels = as_selectors(items)  # names and ops read as op or module-op selectors only
     if compress is None:
         raise BackendOptionError(f"sacpass: ModelPlan(exact={', '.join(map(str, sels))}) names values kept bit for bit "
-                                 f"where compress='fp8' packs the others; without compress every value goes to the "
-                                 f"host exact. Pass compress='fp8', or drop exact=.")
+                                 f"where compress='fp8' or 'int8' packs the others; without compress every value goes "
+                                 f"to the host exact. Pass compress='fp8' (or 'int8'), or drop exact=.")
     return sels
 
 

@@ -1,6 +1,7 @@
-"""ModelPlan(compress="fp8"): the FP8 packing of the values a model plan sends to the host (lossy, off by default).
+"""ModelPlan(compress="fp8" / "int8"): the 8-bit packing of the values a model plan sends to the host (lossy, off by
+default).
 
-The codec: each tile of 128 elements within the bound its docstring states, whatever the length, layout or
+The codec, in either format: each tile of 128 elements within the bound its docstring states, whatever the length, layout or
 dtype; zeros stay zeros, a non-finite tile comes back NaN, integer values are refused. The plan: the packed
 bytes are what the host holds and the copies move, values kept on the device are not packed, the planner
 counts packed bytes (so a host budget that holds half of the raw values holds all of them packed), and the
@@ -20,43 +21,74 @@ from tests.support.helpers import relative_error
 from test_model_plan import LAYERS, REGION, _eager, _plan, _run
 
 
-def _bound(x: torch.Tensor) -> torch.Tensor:
-    """Per element, the error the packing may make: 1/16 of its magnitude, and e4m3's subnormal step below."""
+def _bound(x: torch.Tensor, fmt: str = "fp8") -> torch.Tensor:
+    """Per element, the error the packing may make: fp8, 1/16 of its magnitude, and e4m3's subnormal step below;
+    int8, half a step of 1/127 of its tile's largest magnitude (and the fp32 division's rounding)."""
     flat = x.reshape(-1).float()
     pad = -flat.numel() % TILE
     amax = torch.nn.functional.pad(flat.abs(), (0, pad)).view(-1, TILE).amax(-1)
     tile_amax = amax.repeat_interleave(TILE)[:flat.numel()]
+    if fmt == "int8":
+        return (tile_amax / 254 * (1 + 1e-5)).view(x.shape)
     return (flat.abs() / 16 + tile_amax * 2.0 ** -10).view(x.shape)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1,), (127,), (1000,), (3, 257), (64, 128)])
-def test_a_packed_value_comes_back_within_the_tile_bound(dtype, shape):
+def test_a_packed_value_comes_back_within_the_tile_bound(dtype, shape, fmt):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).to(dtype)
-    q, s = pack(x)
-    assert q.dtype == torch.float8_e4m3fn and q.numel() == x.numel()
+    q, s = pack(x, fmt)
+    assert q.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[fmt] and q.numel() == x.numel()
     assert s.dtype == torch.float32 and s.numel() == -(-x.numel() // TILE)
     assert q.numel() + 4 * s.numel() == packed_bytes(x.numel())
     y = unpack(q, s, torch.empty_like(x))
     err = (y.float() - x.float()).abs()
-    assert bool((err <= _bound(x) + x.float().abs() * torch.finfo(dtype).eps).all()), err.max()
-    assert x.numel() == 1 or not torch.equal(y, x)  # lossy: three mantissa bits (a lone tile maximum is exact)
+    assert bool((err <= _bound(x, fmt) + x.float().abs() * torch.finfo(dtype).eps).all()), err.max()
+    assert x.numel() == 1 or not torch.equal(y, x)  # lossy (a lone tile maximum is exact)
 
 
-def test_a_transposed_value_comes_back_in_its_own_layout():
+def test_int8_is_closer_than_fp8_on_gaussian_tiles_and_coarser_beside_an_outlier():
+    """What the two formats trade: int8's absolute step (1/254 of the tile's largest) beats e4m3's relative one
+    (1/16 of each element) on Gaussian-like tiles, and loses on small elements sharing a tile with an outlier."""
+    g = torch.Generator().manual_seed(0)
+
+    def error(x, fmt):
+        return relative_error(unpack(*pack(x, fmt), torch.empty_like(x)), x)
+
+    gauss = torch.randn(64, TILE, generator=g).to(torch.bfloat16)
+    outlier = gauss.clone()
+    outlier[:, 5] *= 50
+    small = torch.ones(TILE, dtype=torch.bool)
+    small[5] = False
+    assert error(gauss, "int8") < error(gauss, "fp8") / 3
+
+    def small_error(fmt):  # the small elements' error, packed in the tiles of the outlier
+        return relative_error(unpack(*pack(outlier, fmt), torch.empty_like(outlier))[:, small], outlier[:, small])
+    assert small_error("int8") > 2 * small_error("fp8")
+
+
+def test_an_unknown_packing_format_is_refused_with_the_choices():
+    with pytest.raises(sacpass.OffloadError, match=r"'int4' is not a packing format; pass one of 'fp8', 'int8'"):
+        pack(torch.zeros(TILE), "int4")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_transposed_value_comes_back_in_its_own_layout(fmt):
     x = torch.randn(256, 96).t()  # dense, not contiguous
-    q, s = pack(x)
+    q, s = pack(x, fmt)
     out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
     y = unpack(q, s, out)
     assert y.stride() == x.stride()
-    assert bool(((y - x).abs() <= _bound(x) + 1e-6).all())
+    assert bool(((y - x).abs() <= _bound(x, fmt) + 1e-6).all())
 
 
-def test_zeros_stay_zeros_and_a_non_finite_tile_comes_back_nan():
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_zeros_stay_zeros_and_a_non_finite_tile_comes_back_nan(fmt):
     x = torch.zeros(3 * TILE)
     x[TILE + 5] = float("inf")
-    y = unpack(*pack(x), torch.empty_like(x))
+    y = unpack(*pack(x, fmt), torch.empty_like(x))
     assert torch.equal(y[:TILE], x[:TILE]) and torch.equal(y[2 * TILE:], x[2 * TILE:])
     assert bool(torch.isnan(y[TILE + 5]))  # an overflowed step stays visibly broken
 
@@ -68,7 +100,7 @@ def test_discrete_values_are_never_packed(dtype):
 
 
 def test_an_unknown_compression_is_refused_with_the_choices():
-    with pytest.raises(sacpass.BackendOptionError, match="'fp8'"):
+    with pytest.raises(sacpass.BackendOptionError, match="'fp8' or 'int8'"):
         sacpass.ModelPlan(layers=2, compress="int4")
 
 
@@ -78,10 +110,11 @@ def _packed_region() -> int:
     return sum(packed_bytes(d.bytes // 4) for d in be.reports[0].decisions if d.action == "offload")
 
 
-def test_the_host_holds_and_the_copies_move_the_packed_bytes():
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_the_host_holds_and_the_copies_move_the_packed_bytes(fmt):
     packed = _packed_region()
     assert packed < 0.27 * REGION  # fp32 values: a byte and 1/32 of a scale per element
-    grads, st, rows, _ = _run(_plan(REGION, 1 << 20, compress="fp8", exact=()))
+    grads, st, rows, _ = _run(_plan(REGION, 1 << 20, compress=fmt, exact=()))
     assert [r["device_bytes"] for r in rows] == [0] * (LAYERS - 1) + [REGION]  # kept as they are
     assert [r["host_bytes"] for r in rows] == [packed] * (LAYERS - 1) + [0]
     assert st.offloaded_bytes == st.reloaded_bytes == (LAYERS - 1) * packed
@@ -91,6 +124,19 @@ def test_the_host_holds_and_the_copies_move_the_packed_bytes():
     for a, b in zip(grads[-1], ref):
         assert relative_error(a, b) < 0.1
     assert any(not torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(grads[-1], ref))
+
+
+def test_the_backward_reads_the_values_rebuilt_from_the_format_the_plan_names():
+    """compress="int8" and "fp8" pack the same values: each step's gradients near eager's, and not each other's
+    (the runtime packs in the plan's format, the decisions name it)."""
+    fp8, _, _, be8 = _run(_plan(0, 1 << 20, compress="fp8", exact=()))
+    int8, _, _, bei = _run(_plan(0, 1 << 20, compress="int8", exact=()))
+    assert all("INT8-packed" in d.why for d in bei.reports[0].decisions)
+    assert all("FP8-packed" in d.why for d in be8.reports[0].decisions)
+    ref = _eager()
+    for a, b, r in zip(fp8[-1], int8[-1], ref):
+        assert relative_error(a, r) < 0.1 and relative_error(b, r) < 0.1
+    assert any(not torch.equal(a, b) for a, b in zip(fp8[-1], int8[-1]))
 
 
 def test_the_default_plan_sends_values_as_they_are():
@@ -165,7 +211,7 @@ def test_an_exact_selector_that_names_no_planned_value_is_reported_like_an_unmat
 
 def test_exact_takes_op_selectors_with_compress_only():
     with pytest.raises(sacpass.BackendOptionError, match=r"exact=aten::bmm\) names values kept bit for bit.*Pass "
-                                                         r"compress='fp8', or drop exact="):
+                                                         r"compress='fp8' \(or 'int8'\), or drop exact="):
         sacpass.ModelPlan(layers=2, exact="aten::bmm")
     with pytest.raises(sacpass.BackendOptionError, match="not an op name"):
         sacpass.ModelPlan(layers=2, compress="fp8", exact=lambda node: True)

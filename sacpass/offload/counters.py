@@ -28,7 +28,7 @@ class OffloadStats:
     peak_host_bytes_held: int = 0
     bundles_alive: int = 0  # bundles whose host tensors are still referenced (by an autograd graph)
     kept_bytes: int = 0  # values a model plan kept on the device instead of offloading
-    packed_bytes: int = 0  # values a model plan sent to the host FP8-packed (their own bytes; offloaded_bytes
+    packed_bytes: int = 0  # values a model plan sent to the host packed (their own bytes; offloaded_bytes
     #                        counts the packed bytes copied)
 
     # what reset_stats() leaves alone: the state now, not counters
@@ -48,4 +48,4 @@ class OffloadStats:
                 f"(peaks {self.peak_host_bytes / gib:.3f} / {self.peak_host_bytes_held / gib:.3f}); "
                 f"{self.bundles_alive} bundles alive of {self.bundles} opened"
                 + (f"; model plan kept {self.kept_bytes / gib:.3f} GiB on the device" if self.kept_bytes else "")
-                + (f"; {self.packed_bytes / gib:.3f} GiB of values went FP8-packed" if self.packed_bytes else ""))
+                + (f"; {self.packed_bytes / gib:.3f} GiB of values went packed" if self.packed_bytes else ""))

@@ -10,7 +10,7 @@ Their real kernels call this process's runtime (:mod:`sacpass.offload.runtime`),
   back on ``device``, its copy waited for by the compute stream alone, the next copies prefetched.
 - ``sacpass::stash(Tensor x, int index, str plan, Tensor[] after, bool pack=True, float forward_ms=0.,
   float backward_ms=0.) -> Tensor``: a model plan's value, kept where the plan places it (device or host pool);
-  returns its handle. ``pack=False``: never FP8-packed, though the plan compresses (``ModelPlan(exact=)``).
+  returns its handle. ``pack=False``: never packed, though the plan compresses (``ModelPlan(exact=)``).
   ``forward_ms`` / ``backward_ms`` (on a graph's first stash): what the cost model expects of the graph's forward
   and backward, shown beside what each region took (:func:`sacpass.offload.placements`).
 - ``sacpass::unstash(Tensor handle, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) -> Tensor``:

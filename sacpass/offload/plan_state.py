@@ -43,7 +43,7 @@ class PlanState:
     regions: int  # the regions the plan was made for (ModelPlan.layers)
     gpu_bytes: int  # the device budget it starts at, and never goes below
     host_bytes: int
-    compress: bool = False  # floating values go to the host FP8-packed (ModelPlan(compress="fp8"))
+    compress: str | None = None  # floating values go to the host packed in this format (ModelPlan(compress=))
     copy_bytes_per_s: float = 0.0  # the plan's cost model: a region's expected copy time, beside the measured
     peak_bytes: int | None = None  # ModelPlan(peak_bytes=): the device budget follows the measured peak
     spelled: str = ""  # how the plan reads, for errors
@@ -214,7 +214,7 @@ class PlanState:
     def place(self, region: int, index: int, nbytes: int, packed: int | None = None) -> str:
         """Where value ``index`` of region ``region`` waits: the table's place (from the step before), or in the
         first step :func:`place_arriving`'s. ``packed``: the value's elements when it would go to the host
-        FP8-packed (its host bytes are then those of the packed form)."""
+        packed (its host bytes are then those of the packed form)."""
         key = (region, index)
         size = pool_bytes(nbytes) if packed is None else packed_pool_bytes(packed)
         self.recording[key] = nbytes

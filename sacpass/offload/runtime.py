@@ -113,7 +113,7 @@ class Runtime:
                         f"graphs compiled (or cached) with it.")
                 state = self.plans[plan.key] = PlanState(
                     regions=plan.layers, gpu_bytes=plan.gpu_bytes, host_bytes=plan.host_budget(),
-                    compress=plan.compress == "fp8", copy_bytes_per_s=plan.cost.copy_bytes_per_s,
+                    compress=plan.compress, copy_bytes_per_s=plan.cost.copy_bytes_per_s,
                     peak_bytes=plan.peak_bytes, lock=self.lock, say=self._warnings.append,
                     spelled=f"ModelPlan(layers={plan.layers}, gpu_bytes={plan.gpu_bytes}, "
                             f"host_bytes={plan.host_budget()})")

@@ -18,19 +18,20 @@ def pool_bytes(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def packs(dtype: torch.dtype, compress: bool) -> bool:
-    """Whether a value of ``dtype`` goes to the host FP8-packed under a plan that compresses (floating ones)."""
-    return compress and dtype in compression.COMPRESSIBLE
+def packs(dtype: torch.dtype, compress) -> bool:
+    """Whether a value of ``dtype`` goes to the host packed under a plan that compresses (``compress``: its format,
+    or any true value; floating values only)."""
+    return bool(compress) and dtype in compression.COMPRESSIBLE
 
 
 def packed_pool_bytes(numel: int) -> int:
-    """The pool bytes of ``numel`` elements FP8-packed: the blocks of the elements and of their scales."""
+    """The pool bytes of ``numel`` elements packed: the blocks of the elements and of their scales."""
     return pool_bytes(numel) + pool_bytes(compression.packed_bytes(numel) - numel)
 
 
-def host_pool_bytes(numel: int, dtype: torch.dtype, compress: bool = False) -> int:
+def host_pool_bytes(numel: int, dtype: torch.dtype, compress: str | None = None) -> int:
     """The pool bytes a value of ``numel`` elements of ``dtype`` takes on the host: its block, or with
-    ``compress`` and a floating dtype the blocks of its FP8 elements and their scales
+    ``compress`` and a floating dtype the blocks of its one-byte elements and their scales
     (:mod:`sacpass.compression`)."""
     return packed_pool_bytes(numel) if packs(dtype, compress) else pool_bytes(numel * dtype.itemsize)
 

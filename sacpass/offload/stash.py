@@ -64,7 +64,7 @@ class Stashed:
     source: "weakref.ref[Tensor]"  # the value stashed, while something else keeps it (a graph input's caller)
     version: int  # its version then: an in-place write before the backward is refused, as autograd does
     consumed: bool = False
-    scales: Tensor | None = None  # FP8-packed on the host: value holds its elements, this their tile scales
+    scales: Tensor | None = None  # packed on the host: value holds its one-byte elements, this their tile scales
 
     def check_unchanged(self) -> None:
         x = self.source()
@@ -127,7 +127,7 @@ class Stashes:
                                       version=x._version)
         else:
             first, region.bundled = not region.bundled, True
-            sent, scales = (x, None) if packed is None else compression.pack(x)  # packed on the compute stream
+            sent, scales = (x, None) if packed is None else compression.pack(x, plan.compress)  # on the compute stream
             timing = plan.timeline.copy_times(position)
             host = self.transfers.to_host(sent, 0 if first else 1, timing)  # the region's first opens its bundle
             if scales is not None:

@@ -26,7 +26,7 @@ class Timeline:
 
     def forward_ms(self) -> dict[int, float | None]:
         """Each region's forward (ms) from the region before's first stash to its own (so it carries the region
-        before's stashes: their FP8 packing, with compress); the first region's has no start mark (None)."""
+        before's stashes: their packing, with compress); the first region's has no start mark (None)."""
         order = sorted(self.forward_done)
         return {p: None if q is None else elapsed_ms(self.forward_done[q], self.forward_done[p])
                 for q, p in zip([None] + order[:-1], order)}

@@ -315,9 +315,9 @@ def _check_host_limit(plan: Plan) -> None:
              f"offloads that much raises OffloadError. Lower Plan(host_bytes=...) or raise the limit.")
 
 
-def _host_cost(values: list[torch.fx.Node], compress: bool) -> tuple[int, int]:
-    """(pool bytes on the host, bytes copied each way) of ``values`` sent to the host one by one, FP8-packed
-    where ``compress`` packs them (floating values)."""
+def _host_cost(values: list[torch.fx.Node], compress: str | None) -> tuple[int, int]:
+    """(pool bytes on the host, bytes copied each way) of ``values`` sent to the host one by one, packed where
+    ``compress`` (a packing format, or None) packs them (floating values)."""
     pooled = copied = 0
     for v in values:
         val = v.meta.get("val")
@@ -330,7 +330,7 @@ def _host_cost(values: list[torch.fx.Node], compress: bool) -> tuple[int, int]:
     return pooled, copied
 
 
-def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: bool
+def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: str | None
                      ) -> tuple[list[Decision], int, int]:
     """The activation inputs a model plan places (the offload pass stashes them): one Decision each, the pool
     bytes they take on the host and the bytes their copies move (in the region's copy window, like the rest)."""
@@ -344,7 +344,8 @@ def _input_decisions(graph: torch.fx.Graph, inputs, cost: CostModel, compress: b
         out.append(Decision(name=name, op="input", module="", bytes=nbytes, action="offload", recompute_ms=0.0,
                             copy_ms=1e3 * cost.copy_seconds(copied),
                             why="a region input: the model plan places it (device or host) per region"
-                            + (f"; on the host FP8-packed ({copied} bytes, lossy)" if copied < nbytes else "")))
+                            + (f"; on the host {compress.upper()}-packed ({copied} bytes, lossy)"
+                               if copied < nbytes else "")))
     return out, pooled, moved
 
 
@@ -459,7 +460,7 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
         return ()
     placed_inputs: list[Decision] = []
     inputs_copied = 0
-    compress = isinstance(plan, ModelPlan) and plan.compress == "fp8"
+    compress = plan.compress if isinstance(plan, ModelPlan) else None  # the packing format, if any
     exact = plan.exact if isinstance(plan, ModelPlan) else ()
     grads = _from_tangents(graph) if compress and exact is None else set()  # exact=None: the sensitive values
     if isinstance(plan, ModelPlan):  # the per-graph share; the runtime places it per region
@@ -483,7 +484,7 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
         # kept bit for bit, never packed: what exact= names, or by default what the backward is sensitive to
         named = next((str(sel) for sel in exact if sel(c.node)), "") if exact is not None else \
             (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else "")
-        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, compress and not named)
+        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, None if named else compress)
         copy_ms = 1e3 * cost.copy_seconds(copied)
         bound = ""
         if c.nbytes <= gpu_left:
@@ -495,7 +496,7 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
             copy_left -= copied
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             if copied < c.nbytes:
-                why += f"; on the host FP8-packed ({copied} bytes, lossy)"
+                why += f"; on the host {compress.upper()}-packed ({copied} bytes, lossy)"
             elif named.startswith("sensitive: "):
                 why += f"; on the host unpacked ({named.removeprefix('sensitive: ')})"
             elif named:

@@ -54,15 +54,16 @@ def _deterministic(on: bool):
         torch.use_deterministic_algorithms(before)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("numel", [1, 127, 128 * 4097 + 5, 1 << 22])
-def test_the_kernels_pack_and_unpack_as_the_reference(dtype, numel):
+def test_the_kernels_pack_and_unpack_as_the_reference(dtype, numel, fmt):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(numel, device="cuda", generator=g) * 10 ** torch.randint(-3, 4, (numel,), device="cuda",
                                                                               generator=g)).to(dtype)
-    q, s = pack(x)
-    q_ref, s_ref = pack_reference(x)
-    assert torch.equal(s, s_ref)
+    q, s = pack(x, fmt)
+    q_ref, s_ref = pack_reference(x, fmt)
+    assert torch.equal(s, s_ref) and q.dtype == q_ref.dtype
     same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
     assert same == 1.0, same
     out, ref = unpack(q, s, torch.empty_like(x)), unpack_reference(q, s, torch.empty_like(x))
@@ -86,9 +87,12 @@ def _worst(g, ref):
     return sorted((cosine_similarity(g[n], ref[n]), n, relative_error(g[n], ref[n])) for n in ref)
 
 
-@pytest.mark.parametrize("exact,fp8", [((), True), (None, True), (None, False)],
-                         ids=["every value packed", "sensitive values exact", "sensitive values exact, bf16 matmuls"])
-def test_a_model_plan_that_packs_its_host_values_stays_close_to_control(exact, fp8):
+@pytest.mark.parametrize("fmt,exact,fp8", [("fp8", (), True), ("fp8", None, True), ("fp8", None, False),
+                                           ("int8", None, True), ("int8", None, False)],
+                         ids=["every value packed", "fp8, sensitive values exact",
+                              "fp8, sensitive values exact, bf16 matmuls", "int8, sensitive values exact",
+                              "int8, sensitive values exact, bf16 matmuls"])
+def test_a_model_plan_that_packs_its_host_values_stays_close_to_control(fmt, exact, fp8):
     """The 2-layer bench model at 16K, with a host budget that keeps every planned value (so the plan's partition
     is the same packed or not): every floating value the plan sends to the host packed (exact=()), or the
     default, which keeps the values the backward is sensitive to (sparse MLA's output) exact. The loss is
@@ -99,10 +103,10 @@ def test_a_model_plan_that_packs_its_host_values_stays_close_to_control(exact, f
     (control, the run without checkpointing, the plan unpacked, and the plan unpacked against its own second
     step, which the default's deterministic runs hold to bit for bit)."""
     with _deterministic(exact is None):
-        _packed_against_references(exact, fp8)
+        _packed_against_references(fmt, exact, fp8)
 
 
-def _packed_against_references(exact, fp8):
+def _packed_against_references(fmt, exact, fp8):
     torch.manual_seed(0)
     cfg = GLM52Config.preset("bench", num_layers=2, mtp_layers=0, fp8=fp8, first_k_dense=0)
     with torch.device("cuda"):
@@ -128,7 +132,7 @@ def _packed_against_references(exact, fp8):
     cost = calibrate(torch.device("cuda"))
     cost = dataclasses.replace(cost, copy_bytes_per_s=100 * cost.copy_bytes_per_s)
     budgets = dict(layers=2, gpu_bytes=0, host_bytes=16 << 30, cost=cost)
-    be = sacpass.backend(plan=sacpass.ModelPlan(**budgets, compress="fp8", exact=exact))
+    be = sacpass.backend(plan=sacpass.ModelPlan(**budgets, compress=fmt, exact=exact))
     (_, (l_p, g_p)) = run(be, steps=2)
     st = offload_runtime.stats()
     assert st.packed_bytes > 0 and st.reloaded_bytes + st.device_copied_bytes == st.offloaded_bytes, st.format()
@@ -152,9 +156,9 @@ def _packed_against_references(exact, fp8):
                      "unpacked vs control": _worst(g_x, g_c),
                      "unpacked vs its next step": _worst(g_x2, g_x)})
     for what, w in rows.items():
-        print(f"exact={exact} fp8={fp8}: {what}: worst cosine {w[0][:2]}, worst relative error "
+        print(f"{fmt} exact={exact} fp8={fp8}: {what}: worst cosine {w[0][:2]}, worst relative error "
               f"{max(w, key=lambda t: t[2])[1:]}")
-    print(f"exact={exact} fp8={fp8}: loss control {l_c.item()}, packed {l_p.item()}")
+    print(f"{fmt} exact={exact} fp8={fp8}: loss control {l_c.item()}, packed {l_p.item()}")
     assert abs(l_p.item() - l_c.item()) < 2e-3, (l_p.item(), l_c.item())
     if exact == ():
         assert rows["packed vs control"][0][0] >= 0.97, rows["packed vs control"][:3]
