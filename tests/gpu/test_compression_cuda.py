@@ -87,11 +87,20 @@ def _worst(g, ref):
     return sorted((cosine_similarity(g[n], ref[n]), n, relative_error(g[n], ref[n])) for n in ref)
 
 
-@pytest.mark.parametrize("fmt,exact,fp8", [("fp8", (), True), ("fp8", None, True), ("fp8", None, False),
-                                           ("int8", None, True), ("int8", None, False)],
-                         ids=["every value packed", "fp8, sensitive values exact",
-                              "fp8, sensitive values exact, bf16 matmuls", "int8, sensitive values exact",
-                              "int8, sensitive values exact, bf16 matmuls"])
+# the cases the goal's bound does not hold for yet (measured on an H100): the FP8 backward quantises every
+# gradient a linear reads to e4m3 in 128-wide tiles, so a packed value anywhere on the gradient's path moves the
+# first layer's gradients by whole e4m3 steps (fp8 0.9962 / 0.088, int8 0.9973 / 0.073 at layers.0.attn.wq_a);
+# with bf16 matmuls, e4m3's own rounding of the values is too coarse (0.9990 / 0.044 at layers.0.attn.wkv_a)
+_BEYOND = pytest.mark.xfail(strict=True, reason="the packing moves some gradient beyond cosine 0.999 / relative "
+                                                "error 0.03 (docs/offload-and-planning.md)")
+
+
+@pytest.mark.parametrize("fmt,exact,fp8", [
+    pytest.param("fp8", (), True, id="every value packed"),
+    pytest.param("fp8", None, True, id="fp8, sensitive values exact", marks=_BEYOND),
+    pytest.param("fp8", None, False, id="fp8, sensitive values exact, bf16 matmuls", marks=_BEYOND),
+    pytest.param("int8", None, True, id="int8, sensitive values exact", marks=_BEYOND),
+    pytest.param("int8", None, False, id="int8, sensitive values exact, bf16 matmuls")])
 def test_a_model_plan_that_packs_its_host_values_stays_close_to_control(fmt, exact, fp8):
     """The 2-layer bench model at 16K, with a host budget that keeps every planned value (so the plan's partition
     is the same packed or not): every floating value the plan sends to the host packed (exact=()), or the
@@ -164,19 +173,14 @@ def _packed_against_references(fmt, exact, fp8):
         assert rows["packed vs control"][0][0] >= 0.97, rows["packed vs control"][:3]
         return
     assert all(torch.equal(g_x[n], g_x2[n]) for n in g_x), rows["unpacked vs its next step"][:3]
-    # what two exact partitions of the same step differ by (the plan unpacked against full recompute): with bf16
-    # matmuls ~0; with FP8 ones the backward's gradient quantisation turns their last-bit differences into whole
-    # FP8 steps, ~0.06 in the first layer's gradients, so no plan can be held nearer than that there
-    spread = {n: (1 - cos, rel) for cos, n, rel in rows["unpacked vs control"]}
-    if not fp8:  # the goal's bound, against the plan unpacked and against full recompute
-        bad = [(what, t) for what in ("packed vs unpacked", "packed vs control") for t in rows[what]
-               if t[0] < MIN_COS or t[2] > MAX_REL]
-        assert not bad, bad
-    else:  # the goal's bound, or no more than twice the spread of exact partitions where that is wider
-        bad = [t for t in rows["packed vs unpacked"]
-               if t[0] < min(MIN_COS, 1 - 2 * spread[t[1]][0]) or t[2] > max(MAX_REL, 2 * spread[t[1]][1])]
-        assert not bad, (bad, {t[1]: spread[t[1]] for t in bad})
+
+    def beyond(what):  # the parameters whose gradients are outside the goal's bound in rows[what]
+        return [t for t in rows[what] if t[0] < MIN_COS or t[2] > MAX_REL]
+    # the exact plan reads the forward's own values where full recompute recomputes them: the same gradients but
+    # for the rounding of what it recomputes
+    assert not beyond("unpacked vs control"), beyond("unpacked vs control")
+    bad = beyond("packed vs unpacked") + beyond("packed vs control")
+    assert not bad, bad
     ctrl = {n: (cos, rel) for cos, n, rel in rows["control vs no checkpoint"]}
-    for cos, n, rel in rows["packed vs no checkpoint"]:  # no further from it than full recompute, within the spread
-        assert (cos >= ctrl[n][0] - max(1e-3, 2 * spread[n][0])
-                and rel <= 1.25 * ctrl[n][1] + max(1e-3, 2 * spread[n][1])), (n, cos, rel, ctrl[n], spread[n])
+    for cos, n, rel in rows["packed vs no checkpoint"]:  # no further from it than full recompute, within the bound
+        assert cos >= ctrl[n][0] - (1 - MIN_COS) and rel <= ctrl[n][1] + MAX_REL, (n, cos, rel, ctrl[n])
