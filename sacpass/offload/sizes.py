@@ -18,10 +18,10 @@ def pool_bytes(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def packs(dtype: torch.dtype, compress) -> bool:
-    """Whether a value of ``dtype`` goes to the host packed under a plan that compresses (``compress``: its format,
-    or any true value; floating values only)."""
-    return bool(compress) and dtype in compression.COMPRESSIBLE
+def packs(dtype: torch.dtype, compress: str | None) -> bool:
+    """Whether a value of ``dtype`` goes to the host packed under a plan that compresses (``compress``: its packing
+    format, None for none; floating values only)."""
+    return compress is not None and dtype in compression.COMPRESSIBLE
 
 
 def packed_pool_bytes(numel: int) -> int:
