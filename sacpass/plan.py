@@ -151,7 +151,9 @@ class ModelPlan:
                returning one value per row of it (a routing weight's gradient), or a ``mul`` of the value and its
                gradient reduced by a ``sum``; e.g. the attention output of ``glm52::sparse_mla``. Selectors (op names, ``"module::op"`` strings,
                OpOverloads, as the policy's) name them instead; ``()`` packs every floating value. The planner
-               counts their full bytes. A selector that names no value the plan considers is reported like an
+               counts their full bytes. Under any of them, a quantised form (float8 elements with their fp32
+               scales, e.g. an FP8 linear's weight-gradient operand) goes as it is: packing would round scales
+               that each multiply a tile, to save 1/128 of its bytes. A selector that names no value the plan considers is reported like an
                unmatched policy selector.
     peak_bytes: the device memory the step may peak at (``torch.cuda.max_memory_allocated``; e.g. full
                recompute's peak, measured). After each step the run time reads that peak and raises the device

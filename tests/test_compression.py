@@ -350,3 +350,41 @@ def test_the_glm_attention_output_stays_exact_by_default_and_the_gradients_are_c
     assert mla and all(d.exact == "sensitive: glm52::sparse_mla_bwd reads it with its gradient" for d in mla), mla
     err = lambda got: max(relative_error(got[n], exact[n]) for n in exact)  # noqa: E731
     assert 0 < err(default) < err(packed), (err(default), err(packed))
+
+
+def test_a_quantised_form_goes_unpacked_under_any_packing():
+    """Tiny GLM-5.2 with FP8 linears: each linear keeps its weight gradient's operand as float8 elements and fp32
+    scales (``glm52::fp8_quantize_pair``, exact for that backward); packing would round the scales, each of which
+    multiplies a tile. With every other planned value named exact (and the region inputs not placed), a packing
+    plan then sends nothing packed, and its gradients are the exact plan's bit for bit."""
+    import copy
+
+    from glm52_model import GLM52Config, GLM52ForCausalLM
+    from glm52_model.compile import apply_compile
+    from sacpass.testing import no_compile_caches
+
+    torch.manual_seed(0)
+    base = GLM52ForCausalLM(GLM52Config.tiny(num_layers=2, mtp_layers=0, first_k_dense=0, fp8=True))
+    ids = torch.randint(0, base.cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    others = ("glm52::sparse_mla", "glm52::grouped_mm_pair", "glm52::fp8_blockwise_mm", "aten::bmm", "aten::mm")
+
+    def run(**kw):
+        plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0, inputs=False,
+                                 cost=sacpass.CostModel(), **kw)
+        rt.reset_stats()
+        with no_compile_caches():
+            be = sacpass.backend(inner="aot_eager", plan=plan)
+            model = apply_compile(copy.deepcopy(base), backend=be, fullgraph=True)
+            for _ in range(2):  # the first places from estimates, the second from the first step's sizes
+                model.zero_grad(set_to_none=True)
+                model(ids, labels=ids).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, be, rt.stats()
+
+    exact, _, _ = run()
+    got, be, st = run(compress="int8", exact=others)
+    pairs = [d for r in be.reports for d in r.decisions if d.op.startswith("glm52::fp8_quantize_pair")]
+    assert pairs and all(d.exact.startswith("quantised: ") for d in pairs), pairs
+    sent = [d for d in pairs if d.action == "offload"]
+    assert sent and all("on the host unpacked (float8 elements and their scales" in d.why for d in sent), sent
+    assert st.packed_bytes == 0, st.format()
+    assert all(torch.equal(got[n], exact[n]) for n in exact)

@@ -283,6 +283,23 @@ def _sensitive(cand: _Candidate, grads: set[torch.fx.Node]) -> str:
     return ""
 
 
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                if hasattr(torch, n))
+
+
+def _quantised(cand: _Candidate) -> str:
+    """Why ``cand`` goes to the host as it is under any packing, or "": what is kept of it holds float8 elements
+    (a quantised form such as an FP8 linear's weight-gradient operand, exact for the backward that reads it).
+    Packing would round its fp32 scales, each of which multiplies a whole tile of elements, to save 1/128 of the
+    elements' bytes."""
+    for value in cand.form if cand.form is not None else cand.outputs:
+        val = value.meta.get("val")
+        if any(isinstance(t, torch.Tensor) and t.dtype in _FLOAT8 for t in (val if isinstance(val, (list, tuple))
+                                                                               else [val])):
+            return "quantised: float8 elements and their scales, exact as they are"
+    return ""
+
+
 def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool, exact: str = "") -> None:
     kept = cand.form if cand.form is not None else [cand.node] + [u for u in unpackers(cand.node)]
     for t in kept:
@@ -481,9 +498,11 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
     decisions = placed_inputs
     for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
         # what the host pool really hands out for it (a block per tensor), and what its copy moves
-        # kept bit for bit, never packed: what exact= names, or by default what the backward is sensitive to
-        named = next((str(sel) for sel in exact if sel(c.node)), "") if exact is not None else \
-            (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else "")
+        # kept bit for bit, never packed: a quantised form, what exact= names, or by default what the backward is
+        # sensitive to
+        named = (compress and _quantised(c)) or (
+            next((str(sel) for sel in exact if sel(c.node)), "") if exact is not None else
+            (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else ""))
         on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, None if named else compress)
         copy_ms = 1e3 * cost.copy_seconds(copied)
         bound = ""
@@ -497,8 +516,8 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             if copied < c.nbytes:
                 why += f"; on the host {compress.upper()}-packed ({copied} bytes, lossy)"
-            elif named.startswith("sensitive: "):
-                why += f"; on the host unpacked ({named.removeprefix('sensitive: ')})"
+            elif named.startswith(("sensitive: ", "quantised: ")):
+                why += f"; on the host unpacked ({named.split(': ', 1)[1]})"
             elif named:
                 why += f"; on the host unpacked (exact={named})"
             _tag(tags, c, OFFLOAD, offload=True, exact=named)
