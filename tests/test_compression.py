@@ -318,34 +318,43 @@ def test_by_default_the_expert_hidden_rows_a_routing_weight_gradient_reads_go_un
 
 
 @pytest.mark.slow  # the softmax case above covers the rule quickly
+def _tiny_glm(**overrides):
+    """(model, ids): the 2-layer tiny GLM-5.2 (``overrides`` on its config) from seed 0, and 128 token ids."""
+    from glm52_model import GLM52Config, GLM52ForCausalLM
+
+    torch.manual_seed(0)
+    base = GLM52ForCausalLM(GLM52Config.tiny(num_layers=2, mtp_layers=0, **overrides))
+    return base, torch.randint(0, base.cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+
+
+def _glm_plan_steps(base, ids, **plan_options):
+    """(gradients, backend, offload stats) of two steps of a copy of ``base`` compiled under a model plan that
+    keeps nothing on the device and holds every value on the host, with ``plan_options``."""
+    import copy
+
+    from glm52_model.compile import apply_compile
+    from sacpass.testing import no_compile_caches
+
+    plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0,
+                             cost=sacpass.CostModel(), **plan_options)
+    rt.reset_stats()
+    with no_compile_caches():
+        be = sacpass.backend(inner="aot_eager", plan=plan)
+        model = apply_compile(copy.deepcopy(base), backend=be, fullgraph=True)
+        for _ in range(2):  # the first places from estimates, the second from the first step's sizes
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, be, rt.stats()
+
+
 def test_the_glm_attention_output_stays_exact_by_default_and_the_gradients_are_closer():
     """Tiny GLM-5.2 under a compressing plan: sparse MLA's output (its backward op reads it with its gradient)
     goes to the host unpacked by default; every parameter's gradient is then closer to the exact plan's than
     with every floating value packed."""
-    import copy
-
-    from glm52_model import GLM52Config, GLM52ForCausalLM
-    from glm52_model.compile import apply_compile
-    from sacpass.testing import no_compile_caches
-
-    torch.manual_seed(0)
-    base = GLM52ForCausalLM(GLM52Config.tiny(num_layers=2, mtp_layers=0))
-    ids = torch.randint(0, base.cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
-
-    def grads(**kw):
-        plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0,
-                                 cost=sacpass.CostModel(), **kw)
-        with no_compile_caches():
-            be = sacpass.backend(inner="aot_eager", plan=plan)
-            model = apply_compile(copy.deepcopy(base), backend=be, fullgraph=True)
-            for _ in range(2):  # the first places from estimates, the second from the first step's sizes
-                model.zero_grad(set_to_none=True)
-                model(ids, labels=ids).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, be
-
-    exact, _ = grads()
-    default, be = grads(compress="fp8")
-    packed, _ = grads(compress="fp8", exact=())
+    base, ids = _tiny_glm()
+    exact, _, _ = _glm_plan_steps(base, ids)
+    default, be, _ = _glm_plan_steps(base, ids, compress="fp8")
+    packed, _, _ = _glm_plan_steps(base, ids, compress="fp8", exact=())
     mla = [d for r in be.reports for d in r.decisions if d.op.startswith("glm52::sparse_mla")]
     assert mla and all(d.exact == "sensitive: glm52::sparse_mla_bwd reads it with its gradient" for d in mla), mla
     err = lambda got: max(relative_error(got[n], exact[n]) for n in exact)  # noqa: E731
@@ -357,31 +366,10 @@ def test_a_quantised_form_goes_unpacked_under_any_packing():
     scales (``glm52::fp8_quantize_pair``, exact for that backward); packing would round the scales, each of which
     multiplies a tile. With every other planned value named exact (and the region inputs not placed), a packing
     plan then sends nothing packed, and its gradients are the exact plan's bit for bit."""
-    import copy
-
-    from glm52_model import GLM52Config, GLM52ForCausalLM
-    from glm52_model.compile import apply_compile
-    from sacpass.testing import no_compile_caches
-
-    torch.manual_seed(0)
-    base = GLM52ForCausalLM(GLM52Config.tiny(num_layers=2, mtp_layers=0, first_k_dense=0, fp8=True))
-    ids = torch.randint(0, base.cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    base, ids = _tiny_glm(first_k_dense=0, fp8=True)
     others = ("glm52::sparse_mla", "glm52::grouped_mm_pair", "glm52::fp8_blockwise_mm", "aten::bmm", "aten::mm")
-
-    def run(**kw):
-        plan = sacpass.ModelPlan(layers=2, gpu_bytes=0, host_bytes=1 << 30, min_offload_bytes=0, inputs=False,
-                                 cost=sacpass.CostModel(), **kw)
-        rt.reset_stats()
-        with no_compile_caches():
-            be = sacpass.backend(inner="aot_eager", plan=plan)
-            model = apply_compile(copy.deepcopy(base), backend=be, fullgraph=True)
-            for _ in range(2):  # the first places from estimates, the second from the first step's sizes
-                model.zero_grad(set_to_none=True)
-                model(ids, labels=ids).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, be, rt.stats()
-
-    exact, _, _ = run()
-    got, be, st = run(compress="int8", exact=others)
+    exact, _, _ = _glm_plan_steps(base, ids, inputs=False)
+    got, be, st = _glm_plan_steps(base, ids, inputs=False, compress="int8", exact=others)
     pairs = [d for r in be.reports for d in r.decisions if d.op.startswith("glm52::fp8_quantize_pair")]
     assert pairs and all(d.exact.startswith("quantised: ") for d in pairs), pairs
     sent = [d for d in pairs if d.action == "offload"]
