@@ -144,7 +144,8 @@ def against_control(results: list[tuple[str, dict]]) -> dict[tuple[int, int], li
             groups.setdefault((args.get("layers"), args.get("seq")), []).append({
                 "file": name, "variant": variant, "step": share("step_ms_median"),
                 "allocated": share("peak_allocated_gib"), "reserved": share("peak_reserved_gib"),
-                "status": "ok" if ran else row.get("status", "failed"), "lossy": is_lossy(variant), "packing": packing(variant),
+                "status": "ok" if ran else row.get("status", "failed"), "lossy": is_lossy(variant),
+                "packing": packing(variant),
                 "allocator": _allocator(row.get("command") or default_command),
                 "loss_diff": loss - control["loss"] if ran and loss is not None and control.get("loss") is not None
                 else None})

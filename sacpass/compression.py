@@ -51,7 +51,8 @@ def _format(fmt: str) -> tuple[torch.dtype, float]:
 
 def _check(x: Tensor) -> None:
     if x.dtype not in COMPRESSIBLE:
-        raise OffloadError(f"sacpass: 8-bit compression packs floating activations ({', '.join(map(str, COMPRESSIBLE))}); "
+        raise OffloadError(f"sacpass: 8-bit compression packs floating activations "
+                           f"({', '.join(map(str, COMPRESSIBLE))}); "
                            f"a {x.dtype} value {tuple(x.shape)} is not one (indices and masks are discrete decisions "
                            f"and are never compressed). Offload it as it is.")
 

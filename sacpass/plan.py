@@ -153,8 +153,8 @@ class ModelPlan:
                OpOverloads, as the policy's) name them instead; ``()`` packs every floating value. The planner
                counts their full bytes. Under any of them, a quantised form (float8 elements with their fp32
                scales, e.g. an FP8 linear's weight-gradient operand) goes as it is: packing would round scales
-               that each multiply a tile, to save 1/128 of its bytes. A selector that names no value the plan considers is reported like an
-               unmatched policy selector.
+               that each multiply a tile, to save 1/128 of its bytes. A selector that names no value the plan
+               considers is reported like an unmatched policy selector.
     peak_bytes: the device memory the step may peak at (``torch.cuda.max_memory_allocated``; e.g. full
                recompute's peak, measured). After each step the run time reads that peak and raises the device
                budget by what it left under ``peak_bytes``, so the next step keeps more of the last regions'

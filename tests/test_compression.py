@@ -1,8 +1,8 @@
 """ModelPlan(compress="fp8" / "int8"): the 8-bit packing of the values a model plan sends to the host (lossy, off by
 default).
 
-The codec, in either format: each tile of 128 elements within the bound its docstring states, whatever the length, layout or
-dtype; zeros stay zeros, a non-finite tile comes back NaN, integer values are refused. The plan: the packed
+The codec, in either format: each tile of 128 elements within the bound its docstring states, whatever the length,
+layout or dtype; zeros stay zeros, a non-finite tile comes back NaN, integer values are refused. The plan: the packed
 bytes are what the host holds and the copies move, values kept on the device are not packed, the planner
 counts packed bytes (so a host budget that holds half of the raw values holds all of them packed), and the
 gradients stay close to eager's while differing from them (the backward really reads the rebuilt values).
