@@ -666,7 +666,8 @@ def main(argv=None) -> dict:
     p.add_argument("--gpu-gib", type=float, default=8.0, help="model_plan: device GiB the step may keep")
     p.add_argument("--step-host-gib", type=float, default=96.0, help="model_plan: host GiB the step may offload")
     p.add_argument("--exact", default="sensitive",
-                   help="the packing variants (model_plan_fp8, model_plan_auto_int8, ...): the values sent to the host unpacked: 'sensitive' (the "
+                   help="the packing variants (model_plan_fp8, model_plan_auto_int8, ...): the values sent to the "
+                        "host unpacked: 'sensitive' (the "
                         "default: those the backward is sensitive to), 'none' (every floating value packed), or "
                         "comma-separated op selectors (ModelPlan(exact=), e.g. glm52::sparse_mla)")
     p.add_argument("--peak-gib", default=None, type=gib_or_control,

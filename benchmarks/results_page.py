@@ -550,16 +550,17 @@ def model_against_control(entries: list[dict], plots: list) -> list[str]:
            "Every whole-model row (`benchmarks/bench_model.py`) beside the full recompute (`control`) measured in "
            "its own file: its step time, peak allocated and peak reserved GiB as shares of that control's, fastest "
            "first. Rows measured at different times compare through their controls. `exact`: the backward reads "
-           "the forward's values bit for bit; `FP8-packed` / `INT8-packed`: ModelPlan(compress=\"fp8\" / \"int8\") sends "
-           "the floating values to the host as float8 e4m3 / int8 with per-128 scales (lossy). The plot leaves out the rows run under another "
-           "allocator configuration.", ""]
+           "the forward's values bit for bit; `FP8-packed` / `INT8-packed`: ModelPlan(compress=\"fp8\" / "
+           "\"int8\") sends the floating values to the host as float8 e4m3 / int8 with per-128 scales (lossy). The "
+           "plot leaves out the rows run under another allocator configuration.", ""]
     for (layers, seq), rows in groups.items():
         out += [f"{layers} layers, S={tokens_k(seq)}:", ""]
         out += table(["variant", "file", "step / control", "allocated / control", "reserved / control", "values",
                       "allocator", "loss - control's"],
                      [[f"`{r['variant']}`", f"`{r['file']}`",
                        f(r["step"], ".3f") if r["status"] == "ok" else {"oom": "out of memory"}.get(r["status"], r["status"]),
-                       f(r["allocated"], ".3f"), f(r["reserved"], ".3f"), f"{r['packing']}-packed" if r["lossy"] else "exact",
+                       f(r["allocated"], ".3f"), f(r["reserved"], ".3f"),
+                       f"{r['packing']}-packed" if r["lossy"] else "exact",
                        f(r["allocator"]), f(r["loss_diff"], "+.4f")] for r in rows])
         for memory in ("allocated", "reserved"):
             note = pf.solver_note_against_control(rows, memory)

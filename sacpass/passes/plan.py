@@ -283,10 +283,6 @@ def _sensitive(cand: _Candidate, grads: set[torch.fx.Node]) -> str:
     return ""
 
 
-_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                if hasattr(torch, n))
-
-
 def _quantised(cand: _Candidate) -> str:
     """Why ``cand`` goes to the host as it is under any packing, or "": what is kept of it holds float8 elements
     (a quantised form such as an FP8 linear's weight-gradient operand, exact for the backward that reads it).
@@ -294,8 +290,8 @@ def _quantised(cand: _Candidate) -> str:
     elements' bytes."""
     for value in cand.form if cand.form is not None else cand.outputs:
         val = value.meta.get("val")
-        if any(isinstance(t, torch.Tensor) and t.dtype in _FLOAT8 for t in (val if isinstance(val, (list, tuple))
-                                                                               else [val])):
+        if any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() == 1  # a float8 dtype
+               for t in (val if isinstance(val, (list, tuple)) else [val])):
             return "quantised: float8 elements and their scales, exact as they are"
     return ""
 

@@ -47,16 +47,14 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def deterministic(op: str, why: str) -> bool:
-    """Whether ``torch.use_deterministic_algorithms`` is on, in which case ``op``'s CUDA kernel runs its PyTorch
-    kernel instead of the TileLang one (``why``: what in the TileLang kernel varies from run to run); warns once
-    per op when it does."""
+def nondeterministic(op: str, why: str) -> tuple | None:
+    """For a launcher's refusal: (warning key, message) where ``torch.use_deterministic_algorithms`` is on, since
+    ``op``'s TileLang kernel varies from run to run (``why``), so its PyTorch kernel runs instead; None where it
+    is off."""
     if not torch.are_deterministic_algorithms_enabled():
-        return False
-    warn_once(f"{op}:deterministic",
-              f"{op}: torch.use_deterministic_algorithms is on, so CUDA tensors run the PyTorch reference kernel "
-              f"(slower; the TileLang kernel {why})")
-    return True
+        return None
+    return (f"{op}:deterministic", f"{op}: torch.use_deterministic_algorithms is on, so CUDA tensors run the PyTorch "
+                                   f"reference kernel (slower; the TileLang kernel {why})")
 
 
 def reference_fallback(op: str, reference: Callable) -> Callable:

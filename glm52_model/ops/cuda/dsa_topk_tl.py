@@ -24,7 +24,7 @@ import tilelang
 import tilelang.language as T
 
 from ..dsa_topk import _check, _dsa_topk_kernel
-from ._common import cuda_target, deterministic, pad_dim, round_up, warn_once
+from ._common import cuda_target, nondeterministic, pad_dim, round_up, warn_once
 from .ahead import kernel_cache, on_trace, static
 from .topk_select_tl import SelectConfig, compile_topk_select
 
@@ -447,14 +447,15 @@ def select_kernel(topk: int, target_arch: str, config: SelectConfig = SelectConf
     return compile_topk_select(topk, target_arch, config)
 
 
-# why the select is not deterministic (torch.use_deterministic_algorithms runs the PyTorch kernel, whose
-# torch.topk is deterministic on CUDA)
+# why the select is not deterministic (under torch.use_deterministic_algorithms the op runs its PyTorch kernel,
+# whose torch.topk is deterministic on CUDA)
 TIE_ORDER = ("gives ties at the k-th score, on its radix paths, to the keys gathered first, an order that varies from "
              "run to run")
 
 
 def _refused(q: torch.Tensor, k: torch.Tensor) -> tuple | None:
-    """None where the kernels take these (valid) q and k, else (warning key, message)."""
+    """None where the kernels take these (valid) q and k, else (warning key, message): other dtypes or head
+    counts, or torch.use_deterministic_algorithms on."""
     if q.dtype not in _IN_DTYPES or k.dtype != q.dtype:
         return ("glm52::dsa_topk_indices:dtype",
                 f"glm52::dsa_topk_indices: the TileLang kernel takes bfloat16 or float8_e4m3fn q and k; "
@@ -463,7 +464,7 @@ def _refused(q: torch.Tensor, k: torch.Tensor) -> tuple | None:
         return (f"glm52::dsa_topk_indices:heads{q.shape[1]}",
                 f"glm52::dsa_topk_indices: the TileLang logits kernel takes {sorted(KERNEL_HEADS)} indexer heads; "
                 f"{q.shape[1]} heads run the PyTorch reference kernel (slower) instead")
-    return None
+    return nondeterministic("glm52::dsa_topk_indices", TIE_ORDER)
 
 
 def op_kernels(q: torch.Tensor, topk: int, config: TopkConfig = TopkConfig()) -> tuple:
@@ -503,7 +504,6 @@ def dsa_topk_indices_tl(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     refused = _refused(q, k)
     if refused is not None:
         warn_once(*refused)
-    if refused is not None or deterministic("glm52::dsa_topk_indices", TIE_ORDER):
         return _dsa_topk_kernel(q, k, weights, starts, ends, topk, scale, k_scale)
     S, H, D = q.shape
     out = torch.empty(S, topk, dtype=torch.int32, device=q.device)
@@ -561,8 +561,7 @@ def _run_chunks(kernels, inputs, out: torch.Tensor, config: TopkConfig) -> None:
 
 
 def _topk_ahead(q, k, weights, starts, ends, topk, scale, k_scale=None):
-    if (q.is_cuda and static(q.shape[1], q.shape[2]) and _refused(q, k) is None
-            and not torch.are_deterministic_algorithms_enabled()):
+    if q.is_cuda and static(q.shape[1], q.shape[2]) and _refused(q, k) is None:
         for fn, args in op_kernels(q, topk):
             fn.ahead(*args)
 

@@ -27,7 +27,7 @@ import tilelang
 import tilelang.language as T
 
 from ..sparse_mla import _check, _sparse_mla_bwd_kernel, _sparse_mla_fwd_kernel
-from ._common import cuda_target, deterministic, next_pow2, pad_dim, round_up, warn_once
+from ._common import cuda_target, next_pow2, nondeterministic, pad_dim, round_up, warn_once
 from .ahead import kernel_cache, on_trace, static
 
 LOG2E = 1.4426950408889634
@@ -865,8 +865,15 @@ def ci_builds(target_arch: str = "sm_90a") -> dict:
 # --------------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------------
+# the ops whose TileLang kernels vary from run to run, and why (under torch.use_deterministic_algorithms they run
+# their PyTorch kernels: the backward's adds into dKV are index_add_ there, deterministic on CUDA in that mode)
+NONDETERMINISTIC = {"glm52::sparse_mla_bwd": "adds each query's dKV rows into dKV with fp32 atomics, in an order "
+                                             "that varies from run to run"}
+
+
 def _refused(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> tuple | None:
-    """None where the TileLang kernels take these (valid) inputs, else (warning key, message)."""
+    """None where ``op``'s TileLang kernels take these (valid) inputs, else (warning key, message): other dtypes or
+    widths, or torch.use_deterministic_algorithms on for an op in :data:`NONDETERMINISTIC`."""
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         return (f"{op}:dtype", f"{op}: the TileLang kernel takes bfloat16 q and kv; {q.dtype} / {kv.dtype} inputs "
                                f"run the PyTorch reference kernel (slower) instead")
@@ -874,7 +881,7 @@ def _refused(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> tuple | No
         return (f"{op}:shape", f"{op}: the TileLang kernel wants a 64-wide rope tail (Dqk = d_v + 64, d_v a multiple "
                                f"of 64); Dqk={q.shape[-1]}, d_v={d_v} run the PyTorch reference kernel (slower) "
                                f"instead")
-    return None
+    return nondeterministic(op, NONDETERMINISTIC[op]) if op in NONDETERMINISTIC else None
 
 
 def _takes(q: torch.Tensor, kv: torch.Tensor, d_v: int, op: str) -> bool:
@@ -956,11 +963,6 @@ def row_dot(out: torch.Tensor, dout: torch.Tensor, chunk_bytes: int) -> torch.Te
     return delta
 
 
-# why the backward's TileLang kernels are not deterministic (torch.use_deterministic_algorithms runs the PyTorch one,
-# whose adds into dKV are index_add_: deterministic on CUDA in that mode)
-DKV_ATOMICS = "adds each query's dKV rows into dKV with fp32 atomics, in an order that varies from run to run"
-
-
 def bwd_kernel_choice(padded_h: int, d_v: int, config: SparseMlaConfig) -> tuple:
     """(compile function, its kernel config, the slots the indices are padded to) of the backward ``config`` runs
     at ``padded_h`` heads: the pipelined kernel walks the slots two blocks (one per shared stage) at a time."""
@@ -979,7 +981,7 @@ def sparse_mla_bwd_tl(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     the compile function of the kernel ``config`` picks (:func:`bwd_kernel_choice`; same signature), for a
     benchmark's ablation of that kernel."""
     _check(q, kv, indices, d_v)
-    if not _takes(q, kv, d_v, "glm52::sparse_mla_bwd") or deterministic("glm52::sparse_mla_bwd", DKV_ATOMICS):
+    if not _takes(q, kv, d_v, "glm52::sparse_mla_bwd"):
         return _sparse_mla_bwd_kernel(q, kv, out, dout, indices, lse, sm_scale, d_v)
     S, H, Dqk = q.shape
     compile_chosen, args = bwd_kernel(q, indices, sm_scale, d_v, config)
@@ -1013,8 +1015,7 @@ def _fwd_ahead(q, kv, indices, sm_scale, d_v):
 
 
 def _bwd_ahead(q, kv, out, dout, indices, lse, sm_scale, d_v):
-    if (q.is_cuda and static(*q.shape[1:], indices.shape[1]) and _refused(q, kv, d_v, "glm52::sparse_mla_bwd") is None
-            and not torch.are_deterministic_algorithms_enabled()):
+    if q.is_cuda and static(*q.shape[1:], indices.shape[1]) and _refused(q, kv, d_v, "glm52::sparse_mla_bwd") is None:
         fn, args = bwd_kernel(q, indices, sm_scale, d_v)
         fn.ahead(*args)
 
