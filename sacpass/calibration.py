@@ -4,8 +4,9 @@
 matrix multiply, a device-to-device copy (memory bandwidth), pinned copies each way between host and device, and
 a tiny kernel (the launch overhead); a :class:`~sacpass.CostModel` holds the rates they reached (efficiency 1).
 :class:`OpTimer` times the heavy ops (matrix ops, custom ops) of a step as they run, by :func:`op_signature`
-(the op and its tensor inputs' dtypes and shapes); the cost model's ``op_seconds`` holds those times, and the
-planner uses them instead of the rates for a node of that signature.
+(the op and its tensor inputs' dtypes and shapes), those of the compiled backwards it is told of
+(:meth:`OpTimer.time_backward`) too; the cost model's ``op_seconds`` holds those times, and the planner uses them
+instead of the rates for a node of that signature.
 
 Both are kept in ``<compile cache dir>/sacpass_calibration/`` per device name and torch version: a restart reads
 them back instead of measuring anew, so its plan, which enters the compile caches' key, is the same and the
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,7 +32,7 @@ from .nodes import size_hint
 from .offload.clocks import clock, elapsed_ms
 
 __all__ = ["CostModel", "calibrate", "op_signature", "is_heavy", "OpTimer", "CalibrationStore", "device_name",
-           "BENCHMARKS"]
+           "BENCHMARKS", "compiled_backwards"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,27 @@ class OpTimer(TorchDispatchMode):
         self.marks.append((op_signature(func, args, kwargs), device, start, clock(device)))
         return out
 
+    def time_backward(self, outputs) -> int:
+        """Also time the heavy ops of the compiled backward that ``outputs`` (tensors a compiled graph returned)
+        lead back to, when autograd runs it. A backward runs in autograd's thread under the dispatch modes of the
+        ``backward()`` call, not this timer's, so a pre-hook of each compiled-backward node pushes the timer on
+        that thread's mode stack and its post-hook pops it; the engine restores the thread's state after the node
+        either way (an error in it included). Returns the nodes hooked (0 where ``outputs`` lead to none)."""
+        nodes = compiled_backwards(outputs)
+        for node in nodes:
+            node.register_prehook(self._push)
+            node.register_hook(self._pop)
+        return len(nodes)
+
+    def _push(self, grad_outputs):
+        if not _compiled_autograd():  # there hooks run in its trace, on fake values: nothing to time
+            torch._C._push_on_torch_dispatch_stack(self)
+
+    def _pop(self, grad_inputs, grad_outputs):
+        depth = torch._C._len_torch_dispatch_stack()
+        if depth and torch._C._get_dispatch_stack_at(depth - 1) is self:
+            torch._C._pop_torch_dispatch_stack(None)
+
     def seconds(self) -> dict[str, float]:
         """{signature: median seconds} of what ran (waits for the GPU's work)."""
         if any(device.type == "cuda" for _, device, _, _ in self.marks):
@@ -143,6 +166,32 @@ class OpTimer(TorchDispatchMode):
         for sig, _, start, end in self.marks:
             runs.setdefault(sig, []).append(_elapsed(start, end))
         return {sig: statistics.median(ts) for sig, ts in runs.items()}
+
+
+def _compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing or running the backward now."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    flag = getattr(ca, "in_compiled_autograd_region", False)
+    return bool(flag() if callable(flag) else flag)
+
+
+def compiled_backwards(outputs, depth: int = 4) -> list:
+    """The autograd nodes of AOTAutograd's compiled backwards (``CompiledFunctionBackward``) that ``outputs`` lead
+    back to, through at most ``depth`` nodes (the views and aliases AOTAutograd rebuilds outside its graph)."""
+    seen, found = set(), []
+    frontier = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for _ in range(depth):
+        later = []
+        for node in frontier:
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.name().startswith("CompiledFunction"):
+                found.append(node)
+            else:
+                later.extend(n for n, _ in node.next_functions)
+        frontier = later
+    return found
 
 
 def _sizes(device: torch.device) -> dict[str, int]:

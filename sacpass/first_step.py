@@ -5,10 +5,11 @@ keep depends on how many regions share the budgets, and the first compile happen
 each graph that holds a checkpointed region the backend compiles the policy alone (no plan: the partition of
 ``sacpass.backend()``, whose peak is full recompute's or less) and hands Dynamo a :class:`CountedGraph`: in the
 first training step it runs that compiled graph while :class:`FirstStep` counts the regions the step runs before
-its first backward and times the heavy ops the compiled forward calls (matrix ops, custom ops); at the first call
-after that step's backward has begun, it compiles the graph again with the plan resolved, on the fake inputs and
-under the tracing context Dynamo traced it with (a graph traced with dynamic shapes compiles for them), as Dynamo
-itself compiles a graph again when it specializes it at run time, and runs that from then on.
+its first backward and times the heavy ops the compiled forwards and their backwards call (matrix ops, custom
+ops); at the first call after that step's backward has begun, it compiles the graph again with the plan resolved,
+on the fake inputs and under the tracing context Dynamo traced it with (a graph traced with dynamic shapes
+compiles for them), as Dynamo itself compiles a graph again when it specializes it at run time, and runs that
+from then on.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def device_of(args) -> torch.device:
 
 class FirstStep:
     """The first training step of one backend's model plan: the regions it ran before its first backward began,
-    the device they ran on and the heavy forward ops' times (:class:`~sacpass.calibration.OpTimer`)."""
+    the device they ran on and the times of the heavy ops its compiled forwards and backwards ran
+    (:class:`~sacpass.calibration.OpTimer`)."""
 
     def __init__(self):
         self.regions = 0
@@ -72,6 +74,7 @@ class FirstStep:
             grads = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if grads:
                 torch.autograd.graph.register_multi_grad_hook(grads, self._began, mode="any")
+                self.timer.time_backward(grads)
         return out
 
     def _began(self, *_grads) -> None:

@@ -133,8 +133,8 @@ class ModelPlan:
     hide, min_offload_bytes: as in :class:`Plan`, per region.
     cost:      the cost model; None (the default): measured on the device (:func:`sacpass.calibration.calibrate`:
                copy rates each way, matrix rates, memory bandwidth, kept in the compile cache's directory so a
-               restart reuses them) with the first step's op times where it counted the regions (its compiled
-               forwards' heavy ops; the backward's own ops, run in autograd's thread, are priced by the rates).
+               restart reuses them) with the first step's op times where it counted the regions (the heavy ops
+               of its compiled forwards and backwards).
     compress:  None (default): values go to the host as they are, and come back bit for bit. ``"fp8"`` or
                ``"int8"``: the floating values sent to the host go packed, one byte an element and one fp32 scale
                per 128 (0.52 of a bf16 value's bytes, :mod:`sacpass.compression`), and come back rebuilt in their

@@ -109,6 +109,10 @@ def test_the_glm_model_trains_as_eager_under_a_plan_with_no_arguments(fixed_rate
         assert_steps_match(model, ids, reference)
     assert be.plan.layers == 4  # three decoder layers and the MTP layer
     assert [r["region"] for r in rt.placements(be.plan)] == [0, 1, 2, 3]
+    (_, measured), = fixed_rates  # the counted step's backward ops timed too, as its forward's
+    timed = {sig.split("|")[0] for sig in measured}
+    assert {"glm52::sparse_mla", "glm52::sparse_mla_bwd", "glm52::grouped_mm_pair_bwd"} <= timed, sorted(timed)
+    assert torch._C._len_torch_dispatch_stack() == 0
 
 
 @pytest.mark.slow
@@ -185,6 +189,66 @@ def test_the_op_timer_times_heavy_ops_by_signature_and_the_planner_reads_them():
     assert node_seconds(mm, rates) == pytest.approx(rates.seconds(2 * 8 * 16 * 4, 4 * (128 + 64 + 32), torch.float32))
     assert node_seconds(mm, sacpass.CostModel(op_seconds=((sig, 0.125),))) == 0.125
     del gm
+
+
+@torch.library.custom_op("sacpass_test::fails_in_backward", mutates_args=())
+def _fails_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_fails_in_backward.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("sacpass_test::failing_backward", mutates_args=())
+def _failing_backward(g: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the backward failed")
+
+
+@_failing_backward.register_fake
+def _(g):
+    return torch.empty_like(g)
+
+
+_fails_in_backward.register_autograd(lambda ctx, g: torch.ops.sacpass_test.failing_backward(g))
+
+
+def test_the_op_timer_times_a_compiled_backward_it_is_told_of_and_leaves_no_mode_behind():
+    """The backward runs in autograd's thread under the modes of the backward() call: the timer times its heavy
+    ops only where told of the compiled graph's outputs, and the thread's mode stack is as before, the backward
+    finished or failed."""
+    a = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, 4, requires_grad=True)
+    from functorch.compile import aot_function, nop
+
+    # AOTAutograd's compiled functions, as a counted graph runs them (Dynamo's frame, not under the timer)
+    f = aot_function(lambda x, y: torch.mm(x, y).relu(), fw_compiler=nop, bw_compiler=nop)
+    f(a, b)  # compiled (traced) at its first call: outside the timer
+    grad_a = op_signature(torch.ops.aten.mm.default, (torch.empty(8, 4), torch.empty(4, 16)))
+    grad_b = op_signature(torch.ops.aten.mm.default, (torch.empty(16, 8), torch.empty(8, 4)))
+    for told in (False, True):
+        timer = OpTimer()
+        with timer:
+            out = f(a, b)
+        if told:
+            assert timer.time_backward([out]) == 1  # the one compiled backward node
+        out.sum().backward()
+        assert torch._C._len_torch_dispatch_stack() == 0
+        assert (grad_a in timer.seconds() and grad_b in timer.seconds()) == told, sorted(timer.seconds())
+
+    g = aot_function(lambda x: torch.ops.sacpass_test.fails_in_backward(x @ x.t()), fw_compiler=nop, bw_compiler=nop)
+    g(a)
+    timer = OpTimer()
+    with timer:
+        out = g(a)
+    assert timer.time_backward([out]) == 1
+    with pytest.raises(RuntimeError, match="the backward failed"):
+        out.sum().backward()
+    assert torch._C._len_torch_dispatch_stack() == 0  # the engine restored the thread's modes
+    before = len(timer.marks)
+    torch.mm(a, b)
+    assert len(timer.marks) == before  # nothing timed after
 
 
 # -------------------------------------------------------------------------------------------- prefetch
