@@ -38,7 +38,7 @@ def _step(model, ids):
 
 PLANS = {"plan": lambda: sacpass.Plan(host_bytes=1 << 30),
          # one plan for both layers: the last layer's values stay on the device, the first layer's go to the host
-         "model_plan": lambda: sacpass.ModelPlan(layers=2, gpu_bytes=5 << 29, host_bytes=8 << 30),
+         "model_plan": lambda: sacpass.ModelPlan(layers=2, gpu_bytes=3 << 30, host_bytes=8 << 30),
          # no knobs: the first step counts the regions and times the ops, the plan compiles at the second
          "model_plan_auto": lambda: sacpass.ModelPlan()}
 
