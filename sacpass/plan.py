@@ -102,8 +102,8 @@ class ModelPlan:
     last the same decisions, though the last layer's backward runs first and has no time to hide its reloads.
     A ModelPlan decides in two places:
 
-    - at compile time, per graph: what is worth keeping at all (the rest is recomputed), greedily by recompute
-      time per byte while ``layers`` regions' worth fits ``host_bytes + gpu_bytes`` and the copy window
+    - at compile time, per graph: what is worth keeping at all (the rest is recomputed), the values that hold the
+      most recompute time while ``layers`` regions' worth fits ``host_bytes + gpu_bytes`` and the copy window
       (``hide`` x the region's estimated forward at the copy rate, less the copies of the activation inputs it
       places, see ``inputs``); these values go through
       ``sacpass::stash`` / ``sacpass::unstash``;

@@ -1,6 +1,6 @@
 """The partition function: one pass through, in order.
 
-    tag the policy -> keep discrete decisions -> plan (budget / planner; a model plan's activation inputs)
+    merge duplicates (as the min-cut does first) -> tag the policy -> keep discrete decisions -> plan (budget / planner; a model plan's activation inputs)
     -> PyTorch's min-cut -> offload -> audit -> Report
 
 Each pass hands the next a record: ``TagResult`` (tag), ``PlanResult`` (plan: the decisions, the min-cut's
@@ -20,6 +20,7 @@ import torch.fx
 
 from ..errors import MustSaveViolation, SacpassError, warn
 from ..nodes import snapshot, tag_name
+from ..passes.cse import cse_pass
 from ..passes.discrete import keep_decisions_pass
 from ..passes.offload import offload_pass
 from ..passes.plan import plan_pass
@@ -61,6 +62,7 @@ def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: Compil
               **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Partition an AOTAutograd joint graph with the context's policy honoured, or raise."""
     cfg = ctx.config
+    cse_pass(gm)
     tags = tag_policy_pass(gm, cfg.policy)
     keep_decisions_pass(gm, tags)
     planned = plan_pass(gm, tags, memory_budget=cfg.memory_budget, plan=cfg.plan,

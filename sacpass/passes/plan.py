@@ -10,11 +10,13 @@ backward node reads (directly or through a view), and that no policy selector ta
 Candidates are the *heavy* nodes (matrix ops, custom ops) the backward's reads lead back to through cheap
 ops: what no activation checkpointing saves too; the cheap ops between are recomputed from them.
 How: each candidate costs ``recompute_ms`` (its own op plus an equal share of the cheap region ops only
-candidates need, from the :class:`~sacpass.calibration.CostModel`) and ``bytes``. Greedily by recompute time per
-byte, a candidate is kept on the device while the device budget lasts, else offloaded while the host budget
-and the copy window (``hide`` x the layer's estimated forward time, at the copy bandwidth) last and it is at
-least ``min_offload_bytes``, else recomputed. With ``memory_budget=f`` too, the device budget is f times all
-candidates' bytes.
+candidates need, from the :class:`~sacpass.calibration.CostModel`) and ``bytes``. The device budget keeps the
+candidates that hold the most recompute time within it; of the rest, those of at least ``min_offload_bytes``
+that hold the most recompute time within the host budget and the copy window (``hide`` x the layer's
+estimated forward time, at the copy bandwidth) are offloaded; the others are recomputed. Each is a whole-value
+knapsack (:func:`~sacpass.passes.knapsack.best_subset`), not densest first, which can leave a share unused
+beside a large value that would have held more. With ``memory_budget=f`` too, the device budget is f times all
+candidates' bytes. The joint graph's duplicates are merged before (``cse_pass``), so each value is priced once.
 
 ``memory_budget`` without a plan is PyTorch's own budget solver over the released regions
 (:func:`release_regions`): the must-saves and offloads stay fixed (PyTorch keeps MUST_SAVE out of its
@@ -40,6 +42,7 @@ from ..compression import packed_bytes
 from ..offload.sizes import dense, host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import BUDGET, COPY_BOUND, HOST_BOUND, MIN_CUT, PLAN, SIZE_BOUND, Decision
+from .knapsack import best_subset
 from .tag_policy import EXACT_KEY, OFFLOAD, OFFLOAD_KEY, TagResult
 
 __all__ = ["plan_pass", "PlanResult", "release_regions", "activation_inputs", "node_seconds", "expected_ms",
@@ -492,36 +495,41 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
     copy_left = plan.hide * forward_s * cost.copy_bytes_per_s - inputs_copied
     keep_reason = PLAN
     decisions = placed_inputs
-    for c in sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name)):
-        # what the host pool really hands out for it (a block per tensor), and what its copy moves
-        # kept bit for bit, never packed: a quantised form, what exact= names, or by default what the backward is
-        # sensitive to
-        named = (compress and _quantised(c)) or (
-            next((str(sel) for sel in exact if sel(c.node)), "") if exact is not None else
-            (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else ""))
-        on_host, copied = _host_cost(c.form if c.form is not None else c.outputs, None if named else compress)
-        copy_ms = 1e3 * cost.copy_seconds(copied)
-        bound = ""
-        if c.nbytes <= gpu_left:
-            gpu_left -= c.nbytes
+    ordered = sorted(cands.values(), key=lambda c: (-c.seconds / max(c.nbytes, 1), c.node.name))
+    # kept bit for bit, never packed: a quantised form, what exact= names, or by default what the backward is
+    # sensitive to; then what the host pool really hands out for each (a block per tensor) and what its copy moves
+    named = [(compress and _quantised(c)) or (
+        next((str(sel) for sel in exact if sel(c.node)), "") if exact is not None else
+        (f"sensitive: {reason}" if compress and (reason := _sensitive(c, grads)) else "")) for c in ordered]
+    host_cost = [_host_cost(c.form if c.form is not None else c.outputs, None if nm else compress)
+                 for c, nm in zip(ordered, named)]
+    # the most recompute time the device budget holds, then the most the host budget and the copy window hold
+    on_device = set(best_subset([c.seconds for c in ordered], [(c.nbytes,) for c in ordered], (gpu_left,)))
+    movable = [i for i, c in enumerate(ordered) if i not in on_device and c.nbytes >= plan.min_offload_bytes]
+    picked = best_subset([ordered[i].seconds for i in movable], [host_cost[i] for i in movable],
+                         (host_left, max(copy_left, 0)))
+    on_host = {movable[j] for j in picked}
+    host_left -= sum(host_cost[i][0] for i in on_host)
+    copy_left -= sum(host_cost[i][1] for i in on_host)
+    for i, c in enumerate(ordered):
+        (pooled, copied), copy_ms, bound = host_cost[i], 1e3 * cost.copy_seconds(host_cost[i][1]), ""
+        if i in on_device:
             action, why = "save", "fits the device budget"
             _tag(tags, c, keep_reason, offload=False)
-        elif c.nbytes >= plan.min_offload_bytes and on_host <= host_left and copied <= copy_left:
-            host_left -= on_host
-            copy_left -= copied
+        elif i in on_host:
             action, why = "offload", "device budget spent; fits the host budget and the copy window"
             if copied < c.nbytes:
                 why += f"; on the host {compress.upper()}-packed ({copied} bytes, lossy)"
-            elif named.startswith(("sensitive: ", "quantised: ")):
-                why += f"; on the host unpacked ({named.split(': ', 1)[1]})"
-            elif named:
-                why += f"; on the host unpacked (exact={named})"
-            _tag(tags, c, OFFLOAD, offload=True, exact=named)
+            elif named[i].startswith(("sensitive: ", "quantised: ")):
+                why += f"; on the host unpacked ({named[i].split(': ', 1)[1]})"
+            elif named[i]:
+                why += f"; on the host unpacked (exact={named[i]})"
+            _tag(tags, c, OFFLOAD, offload=True, exact=named[i])
         else:
             action = "recompute"
             if c.nbytes < plan.min_offload_bytes:
                 why, bound = f"device budget spent; under min_offload_bytes ({plan.min_offload_bytes})", SIZE_BOUND
-            elif on_host > host_left:
+            elif pooled > host_left:
                 why, bound = "device and host budgets spent", HOST_BOUND
             else:
                 why, bound = "device budget spent; the copy window is full", COPY_BOUND
@@ -529,5 +537,5 @@ def _choose(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float |
             why += f"; its smaller exact form {', '.join(f.name for f in c.form)} is what the backward needs"
         decisions.append(Decision(name=c.node.name, op=op_name(c.node), module=module_path(c.node), bytes=c.nbytes,
                                   action=action, recompute_ms=1e3 * c.seconds, copy_ms=copy_ms, why=why,
-                                  form=tuple(f.name for f in c.form or ()), exact=named, bound=bound))
+                                  form=tuple(f.name for f in c.form or ()), exact=named[i], bound=bound))
     return tuple(decisions)
