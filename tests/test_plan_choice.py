@@ -117,6 +117,24 @@ def test_the_planner_keeps_the_value_that_holds_more_recompute_time_and_matches_
     assert all(d.bound == "host budget" for d in small)
 
 
+def test_a_larger_host_budget_never_leaves_more_recompute_time_by_the_cost_model():
+    """By its own cost model the plan never gets slower with more budget: the recompute time it leaves only
+    falls as the host budget grows, down to none once every value fits."""
+    torch.manual_seed(0)
+    model, x = OneLargeManySmall(), torch.randn(64, 32)
+    flops_only = sacpass.CostModel(memory_bytes_per_s=1e30, launch_s=0.0, copy_bytes_per_s=1e30)
+    left = []
+    for host in range(0, 64 * 256 * 4 + 6 * 64 * 32 * 4 + 8192, 4096):
+        torch._dynamo.reset()
+        be = sacpass.backend(inner="aot_eager", plan=sacpass.Plan(host_bytes=host, min_offload_bytes=0, cost=flops_only))
+        with no_compile_caches():
+            torch.compile(copy.deepcopy(model), backend=be, fullgraph=True)(x.clone().requires_grad_(True)).sum().backward()
+        (rep,) = be.reports
+        left.append(sum(d.recompute_ms for d in rep.decisions if d.action == "recompute"))
+    assert left[0] > 0 and left[-1] == 0, left
+    assert all(b <= a + 1e-12 for a, b in zip(left, left[1:])), left
+
+
 class SharedProjection(nn.Module):
     """Two branches of one checkpointed region read the same projection of the same input (as a query's and a
     key's linear quantise one input): one value after the partition's common-subexpression elimination."""
