@@ -20,6 +20,7 @@ import sacpass
 import sacpass.offload as rt
 from sacpass.offload import clocks, placement, plan_state
 from sacpass.offload.placement import Budgets, place_step
+from sacpass.offload.clocks import device_key
 from sacpass.offload.runtime import process_runtime
 from sacpass.testing import no_compile_caches
 from tests.support.helpers import assert_steps_match, eager_step, stashed_values_checked
@@ -47,8 +48,10 @@ def _steps_timed_alike(monkeypatch):
 def _clean():
     rt.release_host_memory()
     RT.plans.clear()  # equal plans share their run-time state (the learned device budget) in a process
+    rt.set_prefetch_limit("auto")  # and a peak cap's cut of the prefetch depth
     yield
     rt.release_host_memory()
+    rt.set_prefetch_limit("auto")
 
 
 def _run(plan, steps=3):
@@ -550,18 +553,51 @@ def test_a_peak_cap_grows_the_budget_no_further_than_every_value():
 def test_a_step_past_the_peak_cap_lowers_the_budget_and_warns_at_gpu_bytes(monkeypatch):
     """Kept values that cost twice their bytes at the peak: the third step (the first at a raised budget, once
     gpu_bytes was measured) passes the cap, the budget goes back by the excess (to gpu_bytes), and the peak, the
-    highest yet, moving no more, it stays there. A step past the cap with the budget already at gpu_bytes warns,
-    naming the fix."""
+    highest yet, moving no more, it stays there (the prefetch depth untouched: the budget gave the excess back).
+    A step past the cap with the budget already at gpu_bytes and a prefetch limit set by hand warns, naming the
+    fix."""
     plan = _plan(0, 1 << 20, peak_bytes=BASE + 2 * REGION)
     monkeypatch.setattr(plan_state, "device_peak", _peak_of(plan, 2))
     _, _, rows, _ = _run(plan, steps=5)
     assert [r["device_bytes"] for r in rows] == [0] * LAYERS
-    assert rt.device_budget(plan)["device_budget"] == 0
+    assert rt.device_budget(plan)["device_budget"] == 0 and rt.device_budget(plan)["prefetch_cut"] is None
     plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
     monkeypatch.setattr(plan_state, "device_peak", lambda device: BASE + 10 * REGION)
+    rt.set_prefetch_limit(4 * REGION)
     with pytest.warns(sacpass.SacpassWarning, match=r"peak_bytes=.*peaked at .* gpu_bytes=\d+, the least it keeps"):
         _, _, rows, _ = _run(plan, steps=3)
     assert [r["device_bytes"] for r in rows] == [0, 0, 0, REGION]
+    assert rt.prefetch_limit("cpu") == 4 * REGION and rt.device_budget(plan)["prefetch_cut"] is None
+
+
+def test_a_step_past_the_peak_cap_at_gpu_bytes_prefetches_less_down_to_one_value(monkeypatch):
+    """Nothing kept to give back: each step that peaks past the cap (a fresh peak: reset between steps, as
+    bench_model does) lowers the automatic prefetch limit by its excess, down to one value ahead; only then does
+    the plan warn. The reloads still bring every value back: the gradients are eager's."""
+    plan = _plan(0, 1 << 20, peak_bytes=BASE)
+    excess, steps = iter([VALUES // 2, VALUES // 2 + 1, 1 << 40, (1 << 40) + 1, (1 << 40) + 2]), []
+
+    def peak(device):  # one peak a step, whenever it is read
+        timeline = RT.plans[plan.key].timeline
+        if not steps or steps[-1][0] is not timeline:
+            steps.append((timeline, BASE + next(excess)))
+        return steps[-1][1]
+    monkeypatch.setattr(plan_state, "device_peak", peak)
+    grads, _, rows, _ = _run(plan, steps=3)  # the first two steps' peaks read as the next steps begin
+    assert [r["device_bytes"] for r in rows] == [0] * LAYERS
+    device = RT.device(device_key(torch.device("cpu")))  # its largest bundle and value: the most in this process yet
+    whole = device.largest_bundle + device.largest_value
+    assert rt.device_budget(plan)["prefetch_cut"] == whole - VALUES - 1 == rt.prefetch_limit("cpu") > device.largest_value
+    assert "prefetch limit lowered to" in rt.format_placements(plan)
+    grads += _run(plan, steps=1)[0]
+    assert rt.device_budget(plan)["prefetch_cut"] == device.largest_value == rt.prefetch_limit("cpu")
+    with pytest.warns(sacpass.SacpassWarning, match=r"prefetch limit at one value ahead or set by hand"):
+        grads += _run(plan, steps=1)[0]
+    ref = _eager()
+    for g in grads:
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
+    rt.set_prefetch_limit("auto")
+    assert rt.prefetch_limit("cpu") == whole
 
 
 def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_placed(monkeypatch):
@@ -571,6 +607,7 @@ def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_place
     as if it had not run."""
     plan = _plan(REGION, 1 << 20, peak_bytes=BASE)
     monkeypatch.setattr(plan_state, "device_peak", lambda device: BASE + 10 * REGION)
+    rt.set_prefetch_limit(4 * REGION)  # by hand: the peak cap cannot lower it
     with no_compile_caches():
         model = CompiledStack(sacpass.backend(inner="aot_eager", plan=plan), LAYERS, 0)
         stack_step(model, _x())

@@ -49,7 +49,9 @@ def set_prefetch_limit(nbytes: int | None | str) -> None:
     layer before it issued at the layer's first reload. One copy is always in flight, however large (a reload
     larger than the cap warns once: it is copied alone, when nothing else is in flight). A lower cap holds fewer
     reloaded values on the device at once; too low a cap issues the next layer's copies late in this layer's
-    backward, where the compute may no longer hide them."""
+    backward, where the compute may no longer hide them. Under ``"auto"`` a model plan whose step peaks past its
+    ``peak_bytes`` with its device budget at ``gpu_bytes`` lowers the limit by the excess, down to one value ahead
+    (``device_budget(plan)["prefetch_cut"]``); setting the limit again clears that."""
     if nbytes is not None and nbytes != AUTO and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
                                                   or nbytes < 0):
         raise ValueError(f"sacpass.offload.set_prefetch_limit({nbytes!r}): pass a number of bytes, an int >= 0, "
@@ -57,6 +59,8 @@ def set_prefetch_limit(nbytes: int | None | str) -> None:
     rt = process_runtime()
     with rt.lock:
         rt.prefetch_setting = nbytes
+        for device in rt.devices.values():
+            device.peak_cut = None
 
 
 def prefetch_limit(device=None) -> int | None | str:
@@ -131,7 +135,9 @@ def device_budget(plan) -> dict:
     ``peak_at_backward`` ({region: the device's peak as its backward began}, in the order the backwards ran, for
     the last step read; empty where none was),
     ``step_ms`` ({device budget: the fastest step measured at it, in its regions' forwards and backwards}) and
-    ``held_at`` (the budget the plan holds at because a larger one measured no faster, or None)."""
+    ``held_at`` (the budget the plan holds at because a larger one measured no faster, or None) and
+    ``prefetch_cut`` (the automatic prefetch limit a step past the cap with the budget at ``gpu_bytes`` lowered
+    the device to, or None)."""
     if declared_plan(_key(plan)) is None:
         raise OffloadError(f"sacpass: {plan!r} is not registered: build a backend with it (sacpass.backend(plan="
                            f"...)) before asking for its device budget.")

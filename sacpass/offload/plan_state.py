@@ -49,6 +49,8 @@ class PlanState:
     spelled: str = ""  # how the plan reads, for errors
     lock: "threading.RLock" = field(default_factory=threading.RLock)  # the runtime's
     say: Callable[[str], None] = print  # the runtime's warnings, given once its op is done
+    cut_prefetch: Callable[[tuple[str, int], int], int | None] = lambda device, excess: None  # the runtime's
+    prefetch_cut: int | None = None  # the prefetch limit the peak cap brought the device to, if it did
     table: dict[Key, str] = field(default_factory=dict)
     recording: dict[Key, int] = field(default_factory=dict)  # this step: key -> device bytes
     host_sizes: dict[Key, int] = field(default_factory=dict)  # this step: key -> pool bytes on the host
@@ -169,14 +171,21 @@ class PlanState:
             return
         move = follow_peak(self.device_budget, self.gpu_bytes, self.peak_bytes, peak, self.peak_read,
                            everything=sum(self.recording.values()), room=self._room(peak))
-        if move.at_floor_past_cap and not self.warned:
-            self.warned = True
-            self.say(
-                f"sacpass: ModelPlan(peak_bytes={self.peak_bytes}): the step peaked at {peak} bytes on the device "
-                f"with the device budget at gpu_bytes={self.gpu_bytes}, the least it keeps. Lower gpu_bytes, or "
-                f"raise peak_bytes to what the step needs; the plan goes on at gpu_bytes. (The peak read is "
-                f"torch.cuda.max_memory_allocated(): if the compiling step set it, call "
-                f"torch.cuda.reset_peak_memory_stats() after that step.)")
+        fresh = self.peak_read is None or peak != self.peak_read  # not the same old peak (reset between steps)
+        if peak > self.peak_bytes and fresh and self.device_budget <= self.gpu_bytes and self.device is not None:
+            # the step ran keeping nothing past gpu_bytes: the reloads prefetched during a backward are what is left
+            cut = self.cut_prefetch(self.device, peak - self.peak_bytes)
+            if cut is not None:
+                self.prefetch_cut = cut
+            elif not self.warned:
+                self.warned = True
+                self.say(
+                    f"sacpass: ModelPlan(peak_bytes={self.peak_bytes}): the step peaked at {peak} bytes on the device "
+                    f"with the device budget at gpu_bytes={self.gpu_bytes}, the least it keeps, and the prefetch limit "
+                    f"at one value ahead or set by hand (sacpass.offload.set_prefetch_limit). Lower gpu_bytes, or "
+                    f"raise peak_bytes to what the step needs; the plan goes on at gpu_bytes. (The peak read is "
+                    f"torch.cuda.max_memory_allocated(): if the compiling step set it, call "
+                    f"torch.cuda.reset_peak_memory_stats() after that step.)")
         self.device_budget = move.device_budget
         self.peak_read = peak
 

@@ -45,13 +45,23 @@ class DeviceRuntime:
     open_bundles: dict = field(default_factory=dict)  # thread -> weak ref to the newest bundle
     largest_bundle: int = 0  # bytes one forward execution offloaded, the most yet
     largest_value: int = 0  # the largest single value offloaded
+    peak_cut: int | None = None  # at most this many bytes ahead: a model plan's peak cap lowered the depth
 
     def auto_prefetch_limit(self) -> int:
         """One bundle ahead: while a layer's backward runs, every copy of the layer before it can be in flight,
-        and one value more (so that no reload is larger than the limit)."""
-        if not self.largest_bundle:
-            return DEFAULT_PREFETCH_BYTES
-        return self.largest_bundle + self.largest_value
+        and one value more (so that no reload is larger than the limit); at most ``peak_cut``."""
+        limit = self.largest_bundle + self.largest_value if self.largest_bundle else DEFAULT_PREFETCH_BYTES
+        return limit if self.peak_cut is None else min(limit, self.peak_cut)
+
+    def cut_prefetch(self, excess: int) -> int | None:
+        """Prefetch ``excess`` bytes less from now on (a step peaked that much past a model plan's cap with its
+        device budget at its floor: the reloads issued ahead are what is left to give back), down to one value
+        ahead. Returns the new limit, or None where it is at that floor already."""
+        now, floor = self.auto_prefetch_limit(), self.largest_value
+        if now <= floor:
+            return None
+        self.peak_cut = max(floor, now - excess)
+        return self.peak_cut
 
 
 class Runtime:
@@ -86,6 +96,14 @@ class Runtime:
             return max((d.auto_prefetch_limit() for d in self.devices.values()), default=DEFAULT_PREFETCH_BYTES)
         return self.device(key).auto_prefetch_limit()
 
+    def _cut_prefetch(self, key: tuple[str, int], excess: int) -> int | None:
+        """A model plan's step peaked ``excess`` bytes past its cap with nothing more to give back: under the
+        automatic prefetch limit, prefetch that much less on the device (None: the limit is set by hand, or at one
+        value ahead already)."""
+        if self.prefetch_setting != AUTO:
+            return None
+        return self.device(key).cut_prefetch(excess)
+
     def settle(self) -> None:
         """Handles and host tensors that died since the last call: their values and blocks go."""
         self.stashes.settle()
@@ -115,6 +133,7 @@ class Runtime:
                     regions=plan.layers, gpu_bytes=plan.gpu_bytes, host_bytes=plan.host_budget(),
                     compress=plan.compress, copy_bytes_per_s=plan.cost.copy_bytes_per_s,
                     peak_bytes=plan.peak_bytes, lock=self.lock, say=self._warnings.append,
+                    cut_prefetch=self._cut_prefetch,
                     spelled=f"ModelPlan(layers={plan.layers}, gpu_bytes={plan.gpu_bytes}, "
                             f"host_bytes={plan.host_budget()})")
             return state

@@ -51,7 +51,8 @@ def budget_of(state: PlanState) -> dict:
     return {"gpu_bytes": state.gpu_bytes, "device_budget": state.device_budget, "peak_bytes": state.peak_bytes,
             "peak_read": state.peak_read, "peak_at_backward": dict(state.last_timeline.peak_at_backward),
             "held_at": state.held, "step_ms": dict(sorted(state.step_ms.items())),
-            "step_samples": dict(sorted(state.step_samples.items())), "doubt": state.doubt}
+            "step_samples": dict(sorted(state.step_samples.items())), "doubt": state.doubt,
+            "prefetch_cut": state.prefetch_cut}
 
 
 def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
@@ -82,4 +83,7 @@ def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
         elif b["doubt"] is not None:
             lines.append(f"{b['doubt'] / gib:.3f} GiB measured no faster than a smaller budget once: the next step "
                          f"runs at it again before it is judged")
+        if b["prefetch_cut"] is not None:
+            lines.append(f"prefetch limit lowered to {b['prefetch_cut'] / gib:.3f} GiB: a step peaked past the cap "
+                         f"with the device budget at gpu_bytes")
     return "\n".join(lines)
