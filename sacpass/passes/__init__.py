@@ -9,6 +9,8 @@ In the order a compile runs them:
 - ``keep_decisions_pass`` (joint graph): discrete decisions saved as int32, their values rebuilt by gathers;
 - ``plan_pass`` (joint graph): the memory budget and the planner;
 - ``offload_pass`` (forward and backward graphs, after PyTorch's min-cut): offloaded values to the host.
+
+``knapsack.py`` is no pass: the plan pass's whole-value choice (``best_subset``).
 """
 from .checkpoint_regions import route_checkpoints_pass
 from .cse import cse_pass
