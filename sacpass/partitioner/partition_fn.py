@@ -143,14 +143,26 @@ def _partitioner_class():
 
         def __reduce__(self):
             # Inductor pickles its config into the cache keys; only the uuid identifies this object. Without
-            # a uuid (an uncacheable predicate) pickling fails, which makes the caches bypass.
+            # a uuid (an uncacheable predicate) this compile's caches bypass. Not by a TypeError: Inductor's
+            # pickler would mark the class unpicklable for the rest of the process, and every later backend's
+            # compiles, cacheable or not, would bypass too.
             uuid = self.uuid()
             if uuid is None:
-                raise TypeError("sacpass partitioner without a cache key (uncacheable predicate selector)")
+                raise _bypass("sacpass partitioner without a cache key (uncacheable predicate selector)")
             return (_partitioner_for_uuid, (uuid,))
 
     _CLASS = SacpassPartitioner
     return _CLASS
+
+
+def _bypass(why: str) -> Exception:
+    """The exception Inductor's and AOTAutograd's caches take as "bypass this compile" (a TypeError where this
+    torch has none)."""
+    try:
+        from torch._inductor.codecache import BypassFxGraphCache
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return TypeError(why)
+    return BypassFxGraphCache(why)
 
 
 def __getattr__(name: str):
