@@ -126,6 +126,7 @@ def test_the_device_budget_follows_the_measured_peak():
     moved = follow_peak(50, 0, cap, 130, 100, everything=1000)
     assert moved.device_budget == 20 and not moved.at_floor_past_cap  # lowered by the excess
     assert follow_peak(50, 0, cap, 130, 130, everything=1000).device_budget == 50  # the same old peak
+    assert follow_peak(50, 0, cap, 120, 130, everything=1000).device_budget == 30  # a lower one after a reset
     at_floor = follow_peak(5, 5, cap, 150, None, everything=1000)
     assert at_floor.device_budget == 5 and at_floor.at_floor_past_cap  # already at gpu_bytes: the plan warns
 

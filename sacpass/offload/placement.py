@@ -133,12 +133,13 @@ def follow_peak(device_budget: int, floor: int, cap: int, peak: int, peak_before
     """The device budget after a step that peaked at ``peak`` (the highest since the last reset) under a cap of
     ``cap``: raised by the room left under the cap (``room`` where :func:`backward_room` found more, else
     ``cap - peak``; to at most ``everything``, every value of the step); lowered by the excess when the peak rose
-    past the cap (never below ``floor``, the plan's gpu_bytes). A peak no higher than the one read before
-    (``peak_before``) past the cap is the same old peak: nothing moves."""
+    past the cap (never below ``floor``, the plan's gpu_bytes). A peak equal to the one read before
+    (``peak_before``) past the cap is the same old peak (PyTorch's, the highest since the last reset): nothing
+    moves; a lower one past the cap is a step's own after a reset, and moves it again."""
     if peak <= cap:
         grow = max(cap - peak, room or 0)
         return PeakMove(max(device_budget, min(device_budget + grow, everything)), False)
-    if peak_before is None or peak > peak_before:
+    if peak_before is None or peak != peak_before:
         lowered = max(floor, device_budget - (peak - cap))
         return PeakMove(lowered, lowered == device_budget)
     return PeakMove(device_budget, False)

@@ -171,8 +171,7 @@ class PlanState:
             return
         move = follow_peak(self.device_budget, self.gpu_bytes, self.peak_bytes, peak, self.peak_read,
                            everything=sum(self.recording.values()), room=self._room(peak))
-        fresh = self.peak_read is None or peak != self.peak_read  # not the same old peak (reset between steps)
-        if peak > self.peak_bytes and fresh and self.device_budget <= self.gpu_bytes and self.device is not None:
+        if move.at_floor_past_cap and self.device is not None:
             # the step ran keeping nothing past gpu_bytes: the reloads prefetched during a backward are what is left
             cut = self.cut_prefetch(self.device, peak - self.peak_bytes)
             if cut is not None:

@@ -1,7 +1,7 @@
 """The partition function: one pass through, in order.
 
-    merge duplicates (as the min-cut does first) -> tag the policy -> keep discrete decisions -> plan (budget / planner; a model plan's activation inputs)
-    -> PyTorch's min-cut -> offload -> audit -> Report
+    merge duplicates (as the min-cut does first) -> tag the policy -> keep discrete decisions
+    -> plan (budget / planner; a model plan's activation inputs) -> PyTorch's min-cut -> offload -> audit -> Report
 
 Each pass hands the next a record: ``TagResult`` (tag), ``PlanResult`` (plan: the decisions, the min-cut's
 budget, what to offload or stash), ``PartitionFacts`` (all of it, for the audit and the report).
