@@ -29,10 +29,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    """A fresh Dynamo and seed for each test; a test that leaves PyTorch's ``activation_memory_budget`` changed
+    fails (it would change every later partition on its worker: patch it in a ``with`` instead)."""
+    from torch._functorch import config as functorch_config
+
+    budget = functorch_config.activation_memory_budget
     torch._dynamo.reset()
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+    left = functorch_config.activation_memory_budget
+    functorch_config.activation_memory_budget = budget
+    assert left == budget, f"the test left torch._functorch.config.activation_memory_budget at {left} ({budget} before)"
 
 
 # ------------------------------------------------------------------ dumps shared by the dump, CLI, browser tests

@@ -193,6 +193,30 @@ def test_multi_output_op_tags_op_and_getitems():
     assert len(tagged) == 3  # the op and both getitems
 
 
+
+@pytest.mark.parametrize("budget", [0.5, 0.05])
+def test_multi_output_must_save_holds_under_pytorchs_memory_budget(budget):
+    """PyTorch's activation_memory_budget below 1 with only must-saves left to its knapsack (torch before 2.15
+    then saved the op's tuple node, and the partition ran the op again in the backward): both outputs saved."""
+    from torch._functorch import config as fc
+
+    def pair(h):
+        vals, ids = torch.ops.sacpass_toy.topk_pair(h, 4)
+        return torch.nn.functional.dropout(h * vals.mean(-1, keepdim=True).sigmoid() + 0.01 * ids.float().mean(),
+                                           0.25, training=True)
+
+    def model(x):
+        h = checkpoint(pair, x, use_reentrant=False)
+        return checkpoint(torch.sin, h, use_reentrant=False)
+
+    be = sacpass.backend(save=["sacpass_toy::topk_pair", "aten::sin"], inner="aot_eager", use_registered=False)
+    x = torch.randn(8, 16, requires_grad=True)
+    with fc.patch(activation_memory_budget=budget), sacpass.testing.OpCounter(*TOY_TOPK_OPS) as topk:
+        torch.compile(model, backend=be, fullgraph=True)(x).sum().backward()
+    assert (topk.forward, topk.backward) == (1, 0)
+    saved = {(s.dtype, s.reason) for s in be.reports[0].saved if s.op.startswith("sacpass_toy::topk_pair")}
+    assert saved == {("float32", "must-save"), ("int32", "must-save")}
+
 def test_recompute_selector_forces_recompute():
     ref = ToyLayer(checkpointed=False)
     x = torch.randn(16, 32)

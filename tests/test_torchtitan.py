@@ -53,11 +53,15 @@ class Job(Configurable.Config):
 
 @pytest.fixture(autouse=True)
 def _torchtitan_globals():
-    """apply_compile sets Dynamo flags and the policies turn Dynamo's LRU cache off, process-wide."""
+    """apply_compile sets Dynamo flags, torchtitan's memory-budget mode sets PyTorch's activation_memory_budget
+    and the policies turn Dynamo's LRU cache off, process-wide: each comes back as it was."""
+    from torch._functorch import config as functorch_config
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     with torch._dynamo.config.patch(capture_scalar_outputs=False,
-                                    skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+                                    skip_fwd_side_effects_in_bwd_under_checkpoint=False), \
+            functorch_config.patch(activation_memory_budget=functorch_config.activation_memory_budget):
         yield
     torch._C._dynamo.eval_frame._set_lru_cache(True)
     torch.set_num_threads(before)

@@ -12,6 +12,7 @@ A thin layer over ``min_cut_rematerialization_partition``: sacpass only adds tag
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -52,10 +53,40 @@ def _min_cut(gm, joint_inputs, budget: float | None, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     kwargs.setdefault("compiler", "inductor")
-    if budget is None:
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-    with functorch_config.patch(activation_memory_budget=budget):
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    with _outputs_not_tuples_saved():
+        if budget is None:
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        with functorch_config.patch(activation_memory_budget=budget):
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def _outputs_not_tuples_saved():
+    """For the min-cut's own call: a multi-output node among the values PyTorch chose to save stands for its
+    outputs (its ``getitem`` users). Under an ``activation_memory_budget`` below 1, PyTorch before 2.15 saves,
+    when nothing but MUST_SAVE nodes is left to its knapsack, the graph inputs and those nodes as they are:
+    a multi-output op's tuple node, which cannot cross to the backward, so the partition computes its outputs
+    there again and the must-save is lost. Scoped to this call: the partitioner module is as it was after it."""
+    import operator
+
+    from torch._functorch import partitioners
+
+    choose = partitioners.choose_saved_values_set
+
+    def outputs_saved(*args, **kwargs):
+        saved = []
+        for node in choose(*args, **kwargs):
+            if isinstance(node.meta.get("val"), (tuple, list)):
+                saved += [u for u in node.users if u.target is operator.getitem and u not in saved]
+            elif node not in saved:
+                saved.append(node)
+        return saved
+
+    partitioners.choose_saved_values_set = outputs_saved
+    try:
+        yield
+    finally:
+        partitioners.choose_saved_values_set = choose
 
 
 def partition(gm: torch.fx.GraphModule, joint_inputs: Sequence[Any], ctx: CompileContext,
