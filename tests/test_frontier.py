@@ -181,6 +181,50 @@ def test_memory_budget_numerics_and_bytes():
     assert _saved_set(full.reports[0]) == _saved_set(ref.reports[0])
 
 
+def _dropout_model(checkpointed: bool):
+    """amax -> gelu -> dropout -> tanh, in one checkpoint or none: the budget solvers may recompute the amaxes."""
+    w = torch.nn.Linear(16, 16)
+
+    def body(x):
+        h = w(x)
+        h = torch.nn.functional.gelu(h - h.amax(-1, keepdim=True))
+        return torch.tanh(torch.nn.functional.dropout(h, 0.3, training=True))
+
+    def model(x):
+        return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False) if checkpointed else body(x)
+    return model, w
+
+
+@pytest.mark.parametrize("where", ["sacpass", "pytorch"])
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["in_a_checkpoint", "outside"])
+def test_a_memory_budget_never_draws_a_dropout_mask_again(where, checkpointed):
+    """Under a budget PyTorch's knapsack may recompute what it likes: a dropout outside a checkpoint (or in a
+    region the budget released) is kept, or replayed with its RNG state, never drawn again in the backward."""
+    from torch._functorch import config as fc
+
+    model, w = _dropout_model(checkpointed)
+    x = torch.randn(32, 16)
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        w.zero_grad(set_to_none=True)
+        be = sacpass.backend(inner="aot_eager", memory_budget=0.5 if where == "sacpass" else None)
+        fn = torch.compile(model, backend=be, fullgraph=True) if compiled else model
+        with fc.patch(activation_memory_budget=0.5 if where == "pytorch" else 1.0), no_compile_caches():
+            fn(x).square().sum().backward()
+        grads.append(w.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    (rep,) = be.reports
+    random_ops = [t for t in rep.tagged if t["op"].startswith("aten::native_dropout")]
+    if checkpointed and where == "pytorch":
+        assert not random_ops  # the checkpoint replays it: PyTorch saves its RNG state
+    elif checkpointed:
+        assert not random_ops and any(s.op == "?" for s in rep.saved), rep.format()  # its RNG state, not released
+    else:
+        assert random_ops and {t["tag"] for t in random_ops} == {"MUST_SAVE"}, rep.format()
+        assert any(s.op.startswith("aten::native_dropout") and s.dtype == "bool" for s in rep.saved), rep.format()
+
 def test_memory_budget_zero_recomputes_everything_but_the_must_saves():
     torch.manual_seed(0)
     model, x = ToyLayer(), torch.randn(24, 32)

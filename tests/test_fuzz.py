@@ -68,6 +68,7 @@ class Case:
     discrete: bool = False  # sacpass's default: discrete decisions (topk, the custom top-k ops) saved
     offload: tuple[str, ...] = ()
     plan: tuple[int, int] | None = None  # (gpu_bytes, host_bytes) of a sacpass.Plan, min_offload_bytes=0
+    pytorch_budget: float = 1.0  # PyTorch's own torch._functorch.config.activation_memory_budget (its knapsack below 1)
 
 
 @st.composite
@@ -114,7 +115,11 @@ def cases(draw, steps=tuple(sorted(STEPS)), ops_filter=None, max_steps: int = MA
     elif mistake == "absent_recompute":
         recompute = recompute + [draw(st.sampled_from(ABSENT_OPS))]
     return Case(program, tuple(save), tuple(recompute), draw(st.booleans()), draw(st.integers(0, 2 ** 16)),
-                draw(st.booleans()))
+                draw(st.booleans()), pytorch_budget=draw(st.sampled_from(PYTORCH_BUDGETS)))
+
+
+# PyTorch's own memory budget under the policy: its default (1: no knapsack) most of the time
+PYTORCH_BUDGETS = (1.0, 1.0, 1.0, 0.5, 0.05)
 
 
 def expected_errors(case: Case) -> tuple[type, ...]:
@@ -192,7 +197,8 @@ def check_case(case: Case, inner: str = "aot_eager") -> None:
     torch._dynamo.reset()
     expected = expected_errors(case)
     with warnings.catch_warnings(record=True) as caught, \
-            inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False, activation_memory_budget=case.pytorch_budget):
         # caches off: the partition must run for every case
         warnings.simplefilter("always")
         try:
@@ -272,6 +278,8 @@ P = Program
 # regression and coverage examples: every region shape, every op family, each policy mistake
 @example(case=Case(P(("nograd_ids", "mm"), ((0, 2),)), save=("sacpass_toy::topk_ids",)))
 @example(case=Case(P(("pair", "dropout", "sin"), ((0, 1), (1, 3))), save=("sacpass_toy::topk_pair", "aten::sin")))
+@example(case=Case(P(("pair", "dropout", "sin"), ((0, 1), (1, 3))), save=("sacpass_toy::topk_pair", "aten::sin"),
+                   pytorch_budget=0.5))
 @example(case=Case(P(("mm", "topk", "cast", "gelu"), ((0, 4), (1, 3))), save=("aten::topk",),
                    recompute=("aten::gelu",)))
 @example(case=Case(P(("inplace", "rmsnorm", "amax"), ()), save=("aten::add", "aten::mean")))
@@ -306,6 +314,8 @@ def offload_cases(draw):
 @given(case=offload_cases())
 @example(case=Case(P(("mm", "topk", "gelu"), ((0, 3),)), offload=("aten::mm",), plan=(0, 1 << 16)))
 @example(case=Case(P(("pair", "mm"), ((0, 1), (1, 2))), offload=("sacpass_toy::topk_pair",), discrete=True))
+@example(case=Case(P(("pair", "mm"), ((0, 1), (1, 2))), offload=("sacpass_toy::topk_pair",), discrete=True,
+                   pytorch_budget=0.5))
 def test_fuzz_offload_and_plan(case):
     check_case(case, "aot_eager")
 

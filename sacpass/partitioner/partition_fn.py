@@ -77,7 +77,8 @@ def _outputs_not_tuples_saved():
         saved = []
         for node in choose(*args, **kwargs):
             if isinstance(node.meta.get("val"), (tuple, list)):
-                saved += [u for u in node.users if u.target is operator.getitem and u not in saved]
+                saved += [u for u in node.users if u.target is operator.getitem and u not in saved
+                          and getattr(u, "dist_from_bw", 0) < int(1e9)]  # the outputs the backward reads
             elif node not in saved:
                 saved.append(node)
         return saved

@@ -21,7 +21,9 @@ candidates' bytes. The joint graph's duplicates are merged before (``cse_pass``)
 ``memory_budget`` without a plan is PyTorch's own budget solver over the released regions
 (:func:`release_regions`): the must-saves and offloads stay fixed (PyTorch keeps MUST_SAVE out of its
 knapsack), ``1.0`` partitions as without activation checkpointing, ``0`` keeps the regions as they are
-(recompute everything but the must-saves).
+(recompute everything but the must-saves). Under it, or under PyTorch's own ``activation_memory_budget`` below
+1, random ops outside a checkpoint are must-save (:func:`keep_random_draws`): the solver would recompute them
+without their RNG state.
 """
 from __future__ import annotations
 
@@ -43,9 +45,9 @@ from ..offload.sizes import dense, host_pool_bytes, packs
 from ..plan import CostModel, ModelPlan, Plan
 from ..report import BUDGET, COPY_BOUND, HOST_BOUND, MIN_CUT, PLAN, SIZE_BOUND, Decision
 from .knapsack import best_subset
-from .tag_policy import EXACT_KEY, OFFLOAD, OFFLOAD_KEY, TagResult
+from .tag_policy import EXACT_KEY, MUST_SAVE, OFFLOAD, OFFLOAD_KEY, TagResult
 
-__all__ = ["plan_pass", "PlanResult", "release_regions", "activation_inputs", "node_seconds", "expected_ms",
+__all__ = ["plan_pass", "PlanResult", "release_regions", "keep_random_draws", "activation_inputs", "node_seconds", "expected_ms",
            "has_region"]
 
 
@@ -307,13 +309,20 @@ def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool, exact: s
             t.meta[EXACT_KEY] = exact
 
 
+def is_random(node: torch.fx.Node) -> bool:
+    """A call of a random op (``torch.Tag.nondeterministic_seeded``: dropout, rand, ...)."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags)
+
+
 def release_regions(graph: torch.fx.Graph) -> int:
     """Untag the checkpointed regions' ``PREFER_RECOMPUTE`` nodes (what no policy tagged), so that PyTorch's
-    min-cut and its memory-budget solver treat them as they treat code outside any checkpoint. Returns how
-    many nodes it released."""
+    min-cut and its memory-budget solver treat them as they treat code outside any checkpoint. Random ops stay
+    as they were: recomputed, the partition replays them with the RNG state it saves for them (a released one
+    would be drawn again). Returns how many nodes it released."""
     n = 0
     for node in graph.nodes:
-        if node.meta.get("recompute") is CheckpointPolicy.PREFER_RECOMPUTE:
+        if node.meta.get("recompute") is CheckpointPolicy.PREFER_RECOMPUTE and not is_random(node):
             del node.meta["recompute"]
             node.meta.pop("ac_graph_id", None)
             n += 1
@@ -423,6 +432,26 @@ def activation_inputs(joint: torch.fx.GraphModule, static_indices, min_bytes: in
             and tensor_nbytes(n.meta["val"]) >= min_bytes]
 
 
+RANDOM_DRAWS = "random op outside a checkpoint, under a memory budget"
+
+
+def keep_random_draws(graph: torch.fx.Graph, tags: TagResult) -> int:
+    """Under a memory budget (sacpass's, or PyTorch's own ``activation_memory_budget`` below 1) PyTorch's
+    knapsack may recompute any forward value it can, a random op outside a checkpoint among them, whose RNG
+    state nothing saved: the backward would draw a new dropout mask and the gradients would be wrong. Each such
+    op (and the getitems that unpack it) is tagged ``MUST_SAVE``: the partition keeps what the backward reads of
+    it. Returns how many nodes it tagged."""
+    back = backward_part(graph)
+    n = 0
+    for node in list(graph.nodes):
+        if node in back or not is_random(node) or node.meta.get("recompute") is not None:
+            continue
+        for target in [node] + unpackers(node):
+            tags.add(target, CheckpointPolicy.MUST_SAVE, MUST_SAVE, RANDOM_DRAWS, op=op_name(node))
+            n += 1
+    return n
+
+
 def _check_pytorch_budget(tags: TagResult) -> None:
     from torch._functorch import config as functorch_config
 
@@ -453,9 +482,13 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
         budget = 1.0 if memory_budget == 0 else memory_budget
         if memory_budget > 0:
             release_regions(gm.graph)
+            keep_random_draws(gm.graph, tags)
             chosen_by = BUDGET
     else:
         _check_pytorch_budget(tags)
+        from torch._functorch import config as functorch_config
+        if functorch_config.activation_memory_budget < 1:
+            keep_random_draws(gm.graph, tags)
     return PlanResult(decisions=decisions, min_cut_budget=budget, chosen_by=chosen_by,
                       model_plan=plan.key if model_plan else "", placed_inputs=tuple(inputs),
                       offload_marks=_through_views(gm, OFFLOAD_KEY), exact=frozenset(_through_views(gm, EXACT_KEY)),
