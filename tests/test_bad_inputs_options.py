@@ -160,6 +160,44 @@ def test_activation_memory_budget_zero_with_must_save():
     err = unwrap(info)
     assert "activation_memory_budget" in str(err) and "above 0" in str(err)
 
+needs_region_budget = pytest.mark.skipif(not hasattr(torch.autograd.graph, "region_activation_memory_budget"),
+                                         reason="this torch has no torch.autograd.graph.region_activation_memory_budget")
+
+
+class _RegionBudget(torch.nn.Module):
+    """The toy layer with its whole forward under PyTorch's region budget annotation."""
+
+    def __init__(self, budget: float):
+        super().__init__()
+        self.layer, self.budget = ToyLayer(), budget
+
+    def forward(self, x):
+        with torch.autograd.graph.region_activation_memory_budget(self.budget):
+            return self.layer(x)
+
+
+@needs_region_budget
+@pytest.mark.parametrize("option", ["memory_budget", "plan"])
+def test_region_memory_budget_with_sacpass_budget_or_plan_is_refused(option):
+    kw = {"memory_budget": 0.5} if option == "memory_budget" else {"plan": sacpass.Plan()}
+    _, model = compile_toy(_RegionBudget(0.5), **kw)
+    with pytest.raises(Exception) as info:
+        model(torch.randn(8, 32, requires_grad=True))
+    err = unwrap(info)
+    assert isinstance(err, sacpass.SacpassError), err
+    assert "region_activation_memory_budget(0.5)" in str(err) and option in str(err)
+    assert "drop the annotation, or the backend's option" in str(err)
+
+
+@needs_region_budget
+def test_region_memory_budget_zero_with_must_save_names_the_annotation():
+    _, model = compile_toy(_RegionBudget(0.0), save=[TOPK])
+    with pytest.raises(Exception) as info:
+        model(torch.randn(8, 32, requires_grad=True))
+    err = unwrap(info)
+    assert isinstance(err, sacpass.SacpassError), err
+    assert "region_activation_memory_budget(0) annotates this graph" in str(err) and "memory_budget=0" in str(err)
+
 # ------------------------------------------------------------------------------------------ torch version
 
 def test_torch_version_range():

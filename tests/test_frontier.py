@@ -6,6 +6,7 @@ streams, prefetch) is tests/gpu/test_offload_cuda.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
@@ -181,8 +182,9 @@ def test_memory_budget_numerics_and_bytes():
     assert _saved_set(full.reports[0]) == _saved_set(ref.reports[0])
 
 
-def _dropout_model(checkpointed: bool):
-    """amax -> gelu -> dropout -> tanh, in one checkpoint or none: the budget solvers may recompute the amaxes."""
+def _dropout_model(checkpointed: bool, region_budget: float | None = None):
+    """amax -> gelu -> dropout -> tanh, in one checkpoint or none (under PyTorch's region budget annotation where
+    given): the budget solvers may recompute the amaxes."""
     w = torch.nn.Linear(16, 16)
 
     def body(x):
@@ -191,18 +193,25 @@ def _dropout_model(checkpointed: bool):
         return torch.tanh(torch.nn.functional.dropout(h, 0.3, training=True))
 
     def model(x):
-        return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False) if checkpointed else body(x)
+        annotate = region_budget is not None and torch.compiler.is_compiling()  # eager refuses the annotation
+        with (torch.autograd.graph.region_activation_memory_budget(region_budget) if annotate
+              else contextlib.nullcontext()):
+            return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False) if checkpointed else body(x)
     return model, w
 
 
-@pytest.mark.parametrize("where", ["sacpass", "pytorch"])
+_REGION_BUDGET = pytest.mark.skipif(not hasattr(torch.autograd.graph, "region_activation_memory_budget"),
+                                    reason="this torch has no torch.autograd.graph.region_activation_memory_budget")
+
+
+@pytest.mark.parametrize("where", ["sacpass", "pytorch", pytest.param("region", marks=_REGION_BUDGET)])
 @pytest.mark.parametrize("checkpointed", [True, False], ids=["in_a_checkpoint", "outside"])
 def test_a_memory_budget_never_draws_a_dropout_mask_again(where, checkpointed):
     """Under a budget PyTorch's knapsack may recompute what it likes: a dropout outside a checkpoint (or in a
     region the budget released) is kept, or replayed with its RNG state, never drawn again in the backward."""
     from torch._functorch import config as fc
 
-    model, w = _dropout_model(checkpointed)
+    model, w = _dropout_model(checkpointed, 0.5 if where == "region" else None)
     x = torch.randn(32, 16)
     grads = []
     for compiled in (False, True):
@@ -217,7 +226,7 @@ def test_a_memory_budget_never_draws_a_dropout_mask_again(where, checkpointed):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
     (rep,) = be.reports
     random_ops = [t for t in rep.tagged if t["op"].startswith("aten::native_dropout")]
-    if checkpointed and where == "pytorch":
+    if checkpointed and where != "sacpass":
         assert not random_ops  # the checkpoint replays it: PyTorch saves its RNG state
     elif checkpointed:
         assert not random_ops and any(s.op == "?" for s in rep.saved), rep.format()  # its RNG state, not released

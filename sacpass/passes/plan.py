@@ -47,7 +47,7 @@ from ..report import BUDGET, COPY_BOUND, HOST_BOUND, MIN_CUT, PLAN, SIZE_BOUND, 
 from .knapsack import best_subset
 from .tag_policy import EXACT_KEY, MUST_SAVE, OFFLOAD, OFFLOAD_KEY, TagResult
 
-__all__ = ["plan_pass", "PlanResult", "release_regions", "keep_random_draws", "activation_inputs", "node_seconds", "expected_ms",
+__all__ = ["plan_pass", "PlanResult", "release_regions", "keep_random_draws", "region_budget", "activation_inputs", "node_seconds", "expected_ms",
            "has_region"]
 
 
@@ -452,25 +452,63 @@ def keep_random_draws(graph: torch.fx.Graph, tags: TagResult) -> int:
     return n
 
 
-def _check_pytorch_budget(tags: TagResult) -> None:
+def region_budget(graph: torch.fx.Graph) -> float | None:
+    """The budget ``torch.autograd.graph.region_activation_memory_budget`` annotated this graph's forward with
+    (PyTorch's min-cut takes it over ``activation_memory_budget``), or None: none, or a torch without it."""
+    try:
+        from torch.fx.traceback import _get_memory_budget_annotation
+    except ImportError:
+        return None
+    for node in graph.nodes:
+        budget = _get_memory_budget_annotation(node)
+        if budget is not None:
+            return float(budget)
+    return None
+
+
+def _pytorch_budget(graph: torch.fx.Graph, tags: TagResult) -> None:
+    """Where sacpass leaves PyTorch's min-cut its own budget (the region annotation, else
+    ``activation_memory_budget``): below 1 its random ops outside a checkpoint are kept (:func:`keep_random_draws`);
+    0, which drops every MUST_SAVE, is refused where anything is."""
     from torch._functorch import config as functorch_config
 
+    annotated = region_budget(graph)
+    budget = functorch_config.activation_memory_budget if annotated is None else annotated
+    drawn = keep_random_draws(graph, tags) if budget < 1 else 0
     kept = tags.names("MUST_SAVE") | tags.names("MUST_CPU_OFFLOAD")
-    if kept and functorch_config.activation_memory_budget == 0:
+    if kept and budget == 0:
+        where = ("torch.autograd.graph.region_activation_memory_budget(0) annotates this graph" if annotated is not None
+                 else "torch._functorch.config.activation_memory_budget is 0")
+        what = (f"{len(kept)} tags: the policy's, and those of random ops outside a checkpoint, which the backward "
+                "would draw again" if drawn else f"{len(kept)} from this policy")
         raise SacpassError(
-            "sacpass: torch._functorch.config.activation_memory_budget is 0, which makes PyTorch's partitioner "
-            f"save only graph inputs and drop every MUST_SAVE tag ({len(kept)} from this policy). Use "
-            "sacpass.backend(memory_budget=0) instead (recompute everything but the must-saves), or set "
-            "PyTorch's budget above 0.")
+            f"sacpass: {where}, which makes PyTorch's partitioner save only graph inputs and drop every MUST_SAVE "
+            f"tag ({what}). Use sacpass.backend(memory_budget=0) instead (recompute everything but the "
+            "must-saves), or set PyTorch's budget above 0.")
+
+
+def _check_region_budget(graph: torch.fx.Graph, memory_budget: float | None, plan: Plan | None) -> None:
+    """sacpass's memory budget or plan runs PyTorch's min-cut at a budget of its own, which a region annotation
+    would override: refuse the two together."""
+    annotated = region_budget(graph)
+    if annotated is None or (memory_budget is None and plan is None):
+        return
+    mine = f"plan={type(plan).__name__}(...)" if plan is not None else f"memory_budget={memory_budget}"
+    raise SacpassError(
+        f"sacpass: torch.autograd.graph.region_activation_memory_budget({annotated}) annotates this graph, and "
+        f"PyTorch's partitioner would take it over the backend's {mine}. Use one of them: drop the annotation, "
+        "or the backend's option.")
 
 
 def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float | None, plan: Plan | None,
               static_inputs=None) -> PlanResult:
     """The budget / planner stage (see the module docstring): tags the candidates and says how the min-cut runs.
     A memory budget without a plan is left to PyTorch's solver over the released regions (see
-    :func:`release_regions`); without either, PyTorch's own ``activation_memory_budget`` must keep the tags
-    (0 drops them: refused). ``static_inputs``: AOTAutograd's static input indices (parameters, buffers), which
+    :func:`release_regions`); without either, PyTorch's own budget (``activation_memory_budget``, or a
+    ``region_activation_memory_budget`` annotation, which with either is refused) must keep the tags (0 drops
+    them: refused). ``static_inputs``: AOTAutograd's static input indices (parameters, buffers), which
     tell a model plan the activation inputs it places from the weights it never moves."""
+    _check_region_budget(gm.graph, memory_budget, plan)
     model_plan = isinstance(plan, ModelPlan) and has_region(gm.graph)  # a graph without regions: nothing to place
     assert not model_plan or plan.resolved, "sacpass: a graph with regions partitioned before its model plan resolved"
     inputs = activation_inputs(gm, static_inputs, plan.min_offload_bytes) if model_plan and plan.inputs else []
@@ -485,10 +523,7 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             keep_random_draws(gm.graph, tags)
             chosen_by = BUDGET
     else:
-        _check_pytorch_budget(tags)
-        from torch._functorch import config as functorch_config
-        if functorch_config.activation_memory_budget < 1:
-            keep_random_draws(gm.graph, tags)
+        _pytorch_budget(gm.graph, tags)
     return PlanResult(decisions=decisions, min_cut_budget=budget, chosen_by=chosen_by,
                       model_plan=plan.key if model_plan else "", placed_inputs=tuple(inputs),
                       offload_marks=_through_views(gm, OFFLOAD_KEY), exact=frozenset(_through_views(gm, EXACT_KEY)),
