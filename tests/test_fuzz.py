@@ -69,6 +69,7 @@ class Case:
     offload: tuple[str, ...] = ()
     plan: tuple[int, int] | None = None  # (gpu_bytes, host_bytes) of a sacpass.Plan, min_offload_bytes=0
     pytorch_budget: float = 1.0  # PyTorch's own torch._functorch.config.activation_memory_budget (its knapsack below 1)
+    memory_budget: float | None = None  # sacpass.backend(memory_budget=): PyTorch's solver over the released regions
 
 
 @st.composite
@@ -205,7 +206,8 @@ def check_case(case: Case, inner: str = "aot_eager") -> None:
             plan = None if case.plan is None else sacpass.Plan(gpu_bytes=case.plan[0], host_bytes=case.plan[1],
                                                                min_offload_bytes=0)
             be = sacpass.backend(save=list(case.save), recompute=list(case.recompute), offload=list(case.offload),
-                                 plan=plan, inner=inner, strict=case.strict, use_registered=False,
+                                 plan=plan, memory_budget=case.memory_budget, inner=inner, strict=case.strict,
+                                 use_registered=False,
                                  save_discrete=case.discrete)
             model = torch.compile(copy.deepcopy(ref), backend=be, fullgraph=True)
             out_c, x_c, packed = step(model, x, case.seed, hooks=True)
@@ -305,7 +307,10 @@ def offload_cases(draw):
     pool = sorted(case.program.ops() - set(case.save + case.recompute))
     offload = tuple(draw(st.lists(st.sampled_from(pool), max_size=2, unique=True))) if pool else ()
     plan = draw(st.none() | st.tuples(st.integers(0, 1 << 14), st.integers(0, 1 << 16)))
-    return dataclasses.replace(case, offload=offload, plan=plan)
+    return dataclasses.replace(case, offload=offload, plan=plan, memory_budget=draw(st.sampled_from(MEMORY_BUDGETS)))
+
+
+MEMORY_BUDGETS = (None, None, 0.0, 0.3, 1.0)  # sacpass's own: none most of the time
 
 
 @pytest.mark.slow
@@ -315,6 +320,8 @@ def offload_cases(draw):
 @example(case=Case(P(("mm", "topk", "gelu"), ((0, 3),)), offload=("aten::mm",), plan=(0, 1 << 16)))
 @example(case=Case(P(("pair", "mm"), ((0, 1), (1, 2))), offload=("sacpass_toy::topk_pair",), discrete=True))
 @example(case=Case(P(("pair", "mm"), ((0, 1), (1, 2))), offload=("sacpass_toy::topk_pair",), discrete=True,
+                   pytorch_budget=0.5))
+@example(case=Case(P(("amax", "cast", "maxdim"), ()), save=("aten::_to_copy", "aten::amax"), offload=("aten::max",),
                    pytorch_budget=0.5))
 def test_fuzz_offload_and_plan(case):
     check_case(case, "aot_eager")

@@ -53,7 +53,7 @@ def _min_cut(gm, joint_inputs, budget: float | None, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     kwargs.setdefault("compiler", "inductor")
-    with _outputs_not_tuples_saved():
+    with _must_saves_through_the_min_cut():
         if budget is None:
             return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         with functorch_config.patch(activation_memory_budget=budget):
@@ -61,29 +61,35 @@ def _min_cut(gm, joint_inputs, budget: float | None, **kwargs):
 
 
 @contextlib.contextmanager
-def _outputs_not_tuples_saved():
-    """For the min-cut's own call: a multi-output node among the values PyTorch chose to save stands for its
-    outputs (its ``getitem`` users). Under an ``activation_memory_budget`` below 1, PyTorch before 2.15 saves,
-    when nothing but MUST_SAVE nodes is left to its knapsack, the graph inputs and those nodes as they are:
-    a multi-output op's tuple node, which cannot cross to the backward, so the partition computes its outputs
-    there again and the must-save is lost. Scoped to this call: the partitioner module is as it was after it."""
-    import operator
-
+def _must_saves_through_the_min_cut():
+    """For the min-cut's own call. Under an ``activation_memory_budget`` below 1, PyTorch before 2.15, when
+    nothing but MUST_SAVE nodes is left to its knapsack, saves the graph inputs and the must-saves it had banned
+    from recompute, as they are: a multi-output op's tuple node (which cannot cross to the backward) and not a
+    must-save it had not banned (a decision's int32 form), so the partition computes them again in the backward.
+    That answer is replaced by the one torch 2.15 gives there: the min-cut with every ban but the reductions'
+    lifted (what its knapsack would return with nothing to trade), which keeps every must-save the backward
+    reads. Scoped to this call: the partitioner module is as it was after it."""
+    from torch._functorch import config as functorch_config
     from torch._functorch import partitioners
+    from torch.utils.checkpoint import CheckpointPolicy
 
     choose = partitioners.choose_saved_values_set
 
-    def outputs_saved(*args, **kwargs):
-        saved = []
-        for node in choose(*args, **kwargs):
-            if isinstance(node.meta.get("val"), (tuple, list)):
-                saved += [u for u in node.users if u.target is operator.getitem and u not in saved
-                          and getattr(u, "dist_from_bw", 0) < int(1e9)]  # the outputs the backward reads
-            elif node not in saved:
-                saved.append(node)
+    def inputs_and_must_saves(saved, node_info) -> bool:
+        n = len(node_info.inputs)
+        return (list(saved[:n]) == list(node_info.inputs) and len(saved) > n
+                and all(v.meta.get("recompute") == CheckpointPolicy.MUST_SAVE for v in saved[n:]))
+
+    def chosen(joint_graph, node_info, memory_budget=1, *args, **kwargs):
+        saved = choose(joint_graph, node_info, memory_budget, *args, **kwargs)
+        if 0 < memory_budget < 1 and inputs_and_must_saves(saved, node_info):
+            lifted = {f.name: False for f in dataclasses.fields(partitioners.MinCutOptions)}
+            if "ban_if_reduction" in lifted:
+                lifted["ban_if_reduction"] = functorch_config.ban_recompute_reductions
+            saved, _ = partitioners.solve_min_cut(joint_graph, node_info, partitioners.MinCutOptions(**lifted))
         return saved
 
-    partitioners.choose_saved_values_set = outputs_saved
+    partitioners.choose_saved_values_set = chosen
     try:
         yield
     finally:
