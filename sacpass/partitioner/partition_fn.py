@@ -75,14 +75,20 @@ def _must_saves_through_the_min_cut():
 
     choose = partitioners.choose_saved_values_set
 
-    def inputs_and_must_saves(saved, node_info) -> bool:
+    def must_save(node) -> bool:
+        return node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+
+    def must_saves_left_out(joint_graph, saved, node_info) -> bool:
+        """``saved`` is the graph inputs and must-saves only, and a must-save is not among them."""
         n = len(node_info.inputs)
-        return (list(saved[:n]) == list(node_info.inputs) and len(saved) > n
-                and all(v.meta.get("recompute") == CheckpointPolicy.MUST_SAVE for v in saved[n:]))
+        if list(saved[:n]) != list(node_info.inputs) or not all(must_save(v) for v in saved[n:]):
+            return False
+        kept = set(saved)
+        return any(must_save(node) and node not in kept for node in joint_graph.nodes)
 
     def chosen(joint_graph, node_info, memory_budget=1, *args, **kwargs):
         saved = choose(joint_graph, node_info, memory_budget, *args, **kwargs)
-        if 0 < memory_budget < 1 and inputs_and_must_saves(saved, node_info):
+        if 0 < memory_budget < 1 and must_saves_left_out(joint_graph, saved, node_info):
             lifted = {f.name: False for f in dataclasses.fields(partitioners.MinCutOptions)}
             if "ban_if_reduction" in lifted:
                 lifted["ban_if_reduction"] = functorch_config.ban_recompute_reductions
