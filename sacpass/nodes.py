@@ -20,8 +20,8 @@ from .frames import innermost_frame
 __all__ = [
     "node_op", "op_name", "module_stack", "module_path", "clean_module_path", "source_of", "code_line",
     "value_text", "tensor_nbytes", "node_nbytes", "size_hint", "shape_text", "dtype_text", "is_getitem",
-    "is_view", "is_cast", "is_cast_or_view", "is_cheap_unary", "unpackers", "backward_part", "recomputed_names",
-    "tag_name", "NodeFacts", "snapshot",
+    "is_random", "is_view", "is_cast", "is_cast_or_view", "is_cheap_unary", "unpackers", "backward_part",
+    "recomputed_names", "tag_name", "NodeFacts", "snapshot",
 ]
 
 
@@ -63,6 +63,12 @@ def op_name(node: torch.fx.Node) -> str:
 
 def is_getitem(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """A call of a random op (``torch.Tag.nondeterministic_seeded``: dropout, rand, Inductor's seeds)."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags)
 
 
 def is_view(node: torch.fx.Node) -> bool:

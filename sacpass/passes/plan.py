@@ -37,8 +37,8 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import SacpassError, warn
-from ..nodes import (backward_part, is_cast_or_view, is_cheap_unary, is_getitem, is_view, module_path, node_op,
-                     op_name, size_hint, tensor_nbytes, unpackers)
+from ..nodes import (backward_part, is_cast_or_view, is_cheap_unary, is_getitem, is_random, is_view, module_path,
+                     node_op, op_name, size_hint, tensor_nbytes, unpackers)
 from ..calibration import op_signature
 from ..compression import packed_bytes
 from ..offload.sizes import dense, host_pool_bytes, packs
@@ -47,8 +47,8 @@ from ..report import BUDGET, COPY_BOUND, HOST_BOUND, MIN_CUT, PLAN, SIZE_BOUND, 
 from .knapsack import best_subset
 from .tag_policy import EXACT_KEY, MUST_SAVE, OFFLOAD, OFFLOAD_KEY, TagResult
 
-__all__ = ["plan_pass", "PlanResult", "release_regions", "keep_random_draws", "region_budget", "activation_inputs", "node_seconds", "expected_ms",
-           "has_region"]
+__all__ = ["plan_pass", "PlanResult", "release_regions", "keep_random_draws", "region_budget", "activation_inputs",
+           "node_seconds", "expected_ms", "has_region"]
 
 
 def _meta(val):
@@ -309,12 +309,6 @@ def _tag(tags: TagResult, cand: _Candidate, reason: str, offload: bool, exact: s
             t.meta[EXACT_KEY] = exact
 
 
-def is_random(node: torch.fx.Node) -> bool:
-    """A call of a random op (``torch.Tag.nondeterministic_seeded``: dropout, rand, ...)."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in node.target.tags)
-
-
 def release_regions(graph: torch.fx.Graph) -> int:
     """Untag the checkpointed regions' ``PREFER_RECOMPUTE`` nodes (what no policy tagged), so that PyTorch's
     min-cut and its memory-budget solver treat them as they treat code outside any checkpoint. Random ops stay
@@ -466,7 +460,7 @@ def region_budget(graph: torch.fx.Graph) -> float | None:
     return None
 
 
-def _pytorch_budget(graph: torch.fx.Graph, tags: TagResult) -> None:
+def _keep_tags_under_pytorch_budget(graph: torch.fx.Graph, tags: TagResult) -> None:
     """Where sacpass leaves PyTorch's min-cut its own budget (the region annotation, else
     ``activation_memory_budget``): below 1 its random ops outside a checkpoint are kept (:func:`keep_random_draws`);
     0, which drops every MUST_SAVE, is refused where anything is."""
@@ -523,7 +517,7 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             keep_random_draws(gm.graph, tags)
             chosen_by = BUDGET
     else:
-        _pytorch_budget(gm.graph, tags)
+        _keep_tags_under_pytorch_budget(gm.graph, tags)
     return PlanResult(decisions=decisions, min_cut_budget=budget, chosen_by=chosen_by,
                       model_plan=plan.key if model_plan else "", placed_inputs=tuple(inputs),
                       offload_marks=_through_views(gm, OFFLOAD_KEY), exact=frozenset(_through_views(gm, EXACT_KEY)),
