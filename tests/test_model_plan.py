@@ -597,7 +597,7 @@ def test_a_step_past_the_peak_cap_at_gpu_bytes_prefetches_less_down_to_one_value
     for g in grads:
         assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(g, ref))
     rt.set_prefetch_limit("auto")
-    assert rt.prefetch_limit("cpu") == whole
+    assert rt.prefetch_limit("cpu") == whole and rt.device_budget(plan)["prefetch_cut"] is None
 
 
 def test_the_peak_warning_as_an_error_stops_the_forward_with_the_next_step_placed(monkeypatch):

@@ -143,11 +143,18 @@ def device_budget(plan) -> dict:
                            f"...)) before asking for its device budget.")
     rt = process_runtime()
     with rt.lock:
-        return budget_of(rt.plan_state(_key(plan)))
+        state = rt.plan_state(_key(plan))
+        return budget_of(state, _prefetch_cut(rt, state))
+
+
+def _prefetch_cut(rt, state) -> int | None:
+    """The prefetch limit the peak cap lowered ``state``'s device to (the device runtime holds it), or None."""
+    device = rt.devices.get(state.device) if state is not None and state.device is not None else None
+    return None if device is None else device.peak_cut
 
 
 def format_placements(plan=None) -> str:
     rt = process_runtime()
     with rt.lock:
         state = rt.plans.get(_key(plan)) if plan is not None else None
-        return format_rows(placement_rows(_states(plan)), state)
+        return format_rows(placement_rows(_states(plan)), state, _prefetch_cut(rt, state))

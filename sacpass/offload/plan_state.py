@@ -50,7 +50,6 @@ class PlanState:
     lock: "threading.RLock" = field(default_factory=threading.RLock)  # the runtime's
     say: Callable[[str], None] = print  # the runtime's warnings, given once its op is done
     cut_prefetch: Callable[[tuple[str, int], int], int | None] = lambda device, excess: None  # the runtime's
-    prefetch_cut: int | None = None  # the prefetch limit the peak cap brought the device to, if it did
     table: dict[Key, str] = field(default_factory=dict)
     recording: dict[Key, int] = field(default_factory=dict)  # this step: key -> device bytes
     host_sizes: dict[Key, int] = field(default_factory=dict)  # this step: key -> pool bytes on the host
@@ -173,10 +172,7 @@ class PlanState:
                            everything=sum(self.recording.values()), room=self._room(peak))
         if move.at_floor_past_cap and self.device is not None:
             # the step ran keeping nothing past gpu_bytes: the reloads prefetched during a backward are what is left
-            cut = self.cut_prefetch(self.device, peak - self.peak_bytes)
-            if cut is not None:
-                self.prefetch_cut = cut
-            elif not self.warned:
+            if self.cut_prefetch(self.device, peak - self.peak_bytes) is None and not self.warned:
                 self.warned = True
                 self.say(
                     f"sacpass: ModelPlan(peak_bytes={self.peak_bytes}): the step peaked at {peak} bytes on the device "

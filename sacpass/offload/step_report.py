@@ -47,15 +47,17 @@ def placement_rows(states: list[PlanState]) -> list[dict]:
     return [rows[p] for p in sorted(rows)]
 
 
-def budget_of(state: PlanState) -> dict:
+def budget_of(state: PlanState, prefetch_cut: int | None = None) -> dict:
+    """``state``'s device budget and what moved it; ``prefetch_cut``: the device's prefetch limit as the peak cap
+    lowered it (the runtime's, which setting the limit clears), or None."""
     return {"gpu_bytes": state.gpu_bytes, "device_budget": state.device_budget, "peak_bytes": state.peak_bytes,
             "peak_read": state.peak_read, "peak_at_backward": dict(state.last_timeline.peak_at_backward),
             "held_at": state.held, "step_ms": dict(sorted(state.step_ms.items())),
             "step_samples": dict(sorted(state.step_samples.items())), "doubt": state.doubt,
-            "prefetch_cut": state.prefetch_cut}
+            "prefetch_cut": prefetch_cut}
 
 
-def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
+def format_rows(rows: list[dict], state: PlanState | None = None, prefetch_cut: int | None = None) -> str:
     gib = 2 ** 30
     lines = ["region  values  device GiB  host GiB  copy ms (expected, each way)  measured D2H / H2D  "
              "reloads waited (measured)  forward ms expected / measured  backward ms expected / measured"]
@@ -67,7 +69,7 @@ def format_rows(rows: list[dict], state: PlanState | None = None) -> str:
                      f"  {shown(r['forward_ms_expected']) + ' / ' + shown(r['forward_ms_measured']):>31}"
                      f"  {shown(r['backward_ms_expected']) + ' / ' + shown(r['backward_ms_measured']):>32}")
     if state is not None and state.peak_bytes is not None:
-        b = budget_of(state)
+        b = budget_of(state, prefetch_cut)
         read = "none read yet" if b["peak_read"] is None else f"{b['peak_read'] / gib:.3f} GiB read"
         if b["peak_at_backward"]:
             marks = ", ".join(f"{region} {seen / gib:.3f}" for region, seen in b["peak_at_backward"].items())

@@ -460,13 +460,12 @@ def region_budget(graph: torch.fx.Graph) -> float | None:
     return None
 
 
-def _keep_tags_under_pytorch_budget(graph: torch.fx.Graph, tags: TagResult) -> None:
+def _keep_tags_under_pytorch_budget(graph: torch.fx.Graph, tags: TagResult, annotated: float | None) -> None:
     """Where sacpass leaves PyTorch's min-cut its own budget (the region annotation, else
     ``activation_memory_budget``): below 1 its random ops outside a checkpoint are kept (:func:`keep_random_draws`);
-    0, which drops every MUST_SAVE, is refused where anything is."""
+    0, which drops every MUST_SAVE, is refused where anything is. ``annotated``: :func:`region_budget`."""
     from torch._functorch import config as functorch_config
 
-    annotated = region_budget(graph)
     budget = functorch_config.activation_memory_budget if annotated is None else annotated
     drawn = keep_random_draws(graph, tags) if budget < 1 else 0
     kept = tags.names("MUST_SAVE") | tags.names("MUST_CPU_OFFLOAD")
@@ -481,10 +480,9 @@ def _keep_tags_under_pytorch_budget(graph: torch.fx.Graph, tags: TagResult) -> N
             "must-saves), or set PyTorch's budget above 0.")
 
 
-def _check_region_budget(graph: torch.fx.Graph, memory_budget: float | None, plan: Plan | None) -> None:
+def _check_region_budget(annotated: float | None, memory_budget: float | None, plan: Plan | None) -> None:
     """sacpass's memory budget or plan runs PyTorch's min-cut at a budget of its own, which a region annotation
-    would override: refuse the two together."""
-    annotated = region_budget(graph)
+    (``annotated``) would override: refuse the two together."""
     if annotated is None or (memory_budget is None and plan is None):
         return
     mine = f"plan={type(plan).__name__}(...)" if plan is not None else f"memory_budget={memory_budget}"
@@ -502,7 +500,8 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
     ``region_activation_memory_budget`` annotation, which with either is refused) must keep the tags (0 drops
     them: refused). ``static_inputs``: AOTAutograd's static input indices (parameters, buffers), which
     tell a model plan the activation inputs it places from the weights it never moves."""
-    _check_region_budget(gm.graph, memory_budget, plan)
+    annotated = region_budget(gm.graph)
+    _check_region_budget(annotated, memory_budget, plan)
     model_plan = isinstance(plan, ModelPlan) and has_region(gm.graph)  # a graph without regions: nothing to place
     assert not model_plan or plan.resolved, "sacpass: a graph with regions partitioned before its model plan resolved"
     inputs = activation_inputs(gm, static_inputs, plan.min_offload_bytes) if model_plan and plan.inputs else []
@@ -517,7 +516,7 @@ def plan_pass(gm: torch.fx.GraphModule, tags: TagResult, *, memory_budget: float
             keep_random_draws(gm.graph, tags)
             chosen_by = BUDGET
     else:
-        _keep_tags_under_pytorch_budget(gm.graph, tags)
+        _keep_tags_under_pytorch_budget(gm.graph, tags, annotated)
     return PlanResult(decisions=decisions, min_cut_budget=budget, chosen_by=chosen_by,
                       model_plan=plan.key if model_plan else "", placed_inputs=tuple(inputs),
                       offload_marks=_through_views(gm, OFFLOAD_KEY), exact=frozenset(_through_views(gm, EXACT_KEY)),
